@@ -1,0 +1,15 @@
+"""veloxquant_mlx: KV-cache compression for MLX language models.
+
+    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="affine", bits=4))
+    mlx_lm.generate(model, tokenizer, prompt, prompt_cache=caches)
+"""
+
+from .builder import KVCacheBuilder, cache_stats
+from .config import ConfigError, KVCacheConfig
+from .registry import list_methods
+
+__version__ = "0.1.0"
+
+__all__ = ["KVCacheBuilder", "KVCacheConfig", "ConfigError", "cache_stats", "list_methods",
+           "__version__"]

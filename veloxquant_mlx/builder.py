@@ -1,0 +1,111 @@
+"""``KVCacheBuilder.for_model``: one cache per layer for any mlx_lm model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from .cache.base import CompressedCache, LayerInfo
+from .config import KVCacheConfig
+from .integration.mlx_lm import (
+    attention_layout,
+    attention_module,
+    install_attention_routing,
+    model_layers,
+    rope_params,
+)
+from .registry import get_method
+
+
+class KVCacheBuilder:
+    """Builds the per-layer caches of a model for a ``KVCacheConfig``."""
+
+    @staticmethod
+    def layer_infos(model: nn.Module) -> list[LayerInfo | None]:
+        """Per-layer shape facts; ``None`` for blocks without self-attention."""
+        args = getattr(model, "args", None)
+        infos: list[LayerInfo | None] = []
+        blocks = model_layers(model)
+        for idx, block in enumerate(blocks):
+            attn = attention_module(block)
+            if attn is None:
+                infos.append(None)
+                continue
+            lay = attention_layout(attn, args)
+            infos.append(LayerInfo(
+                layer_idx=idx, n_layers=len(blocks), n_kv_heads=lay.n_kv_heads,
+                head_dim=lay.head_dim, v_head_dim=lay.v_head_dim, attention=attn,
+                model_type=str(getattr(args, "model_type", "")), **rope_params(lay.rope),
+            ))
+        return infos
+
+    @classmethod
+    def for_model(cls, model: nn.Module, config: KVCacheConfig | None = None,
+                  **options: Any) -> list[Any]:
+        """One cache per layer; layers the method does not support keep the model's own.
+
+        ``options`` are ``KVCacheConfig`` fields, a shortcut for
+        ``for_model(model, KVCacheConfig(**options))``.
+        """
+        if config is None:
+            config = KVCacheConfig(**options)
+        elif options:
+            config = config.replace(**options)
+        method_cls = get_method(config.method)
+        default_caches = make_prompt_cache(model)
+        infos = cls.layer_infos(model)
+        if len(default_caches) != len(infos):
+            raise ValueError(
+                f"model.make_cache() gave {len(default_caches)} caches for {len(infos)} layers"
+            )
+        eligible = [
+            i for i, (info, c) in enumerate(zip(infos, default_caches))
+            if info is not None and method_cls.supports_layer(c)
+        ]
+        if not eligible:
+            raise ValueError(
+                f"model {type(model).__module__}.{type(model).__name__} has no plain "
+                f"full-attention layers that method {config.method!r} can compress"
+            )
+        layers = [infos[i] for i in eligible]
+        # Cross-layer methods assign groups and inject their shared coordinator.
+        method_cls.assign_roles(layers, config, model)
+        caches = list(default_caches)
+        for i, info in zip(eligible, layers):
+            caches[i] = method_cls(config, info)
+        method_cls.after_build([caches[i] for i in eligible], config, model)
+        install_attention_routing(model)
+        return caches
+
+
+def compressed_caches(caches: list[Any]) -> list[CompressedCache]:
+    """The veloxquant caches among a model's caches."""
+    return [c for c in caches if isinstance(c, CompressedCache)]
+
+
+def cache_stats(caches: list[Any]) -> dict[str, Any]:
+    """Totals over all layers: held, accounted and fp16-equivalent bytes and ratio.
+
+    Layers that keep the model's own cache count their own ``nbytes`` as held and
+    as fp16-equivalent.
+    """
+    held = accounted = fp16 = 0
+    for c in caches:
+        if isinstance(c, CompressedCache):
+            s = c.stats()
+            held += s["held_bytes"]
+            accounted += s["accounted_bytes"]
+            fp16 += s["fp16_bytes"]
+        else:
+            n = getattr(c, "nbytes", 0) or 0
+            held += n
+            accounted += n
+            fp16 += n
+    return {
+        "held_bytes": held,
+        "accounted_bytes": accounted,
+        "fp16_bytes": fp16,
+        "ratio": held / fp16 if fp16 else 0.0,
+    }

@@ -1,0 +1,72 @@
+"""Quantization numerics shared by the quantizing methods (affine, KIVI, factors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+AFFINE_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass
+class Quantized:
+    """Packed affine codes along the last axis: ``x ~ scales * q + biases`` per group.
+
+    ``shape``/``dtype`` describe the original array so it can be rebuilt exactly.
+    """
+
+    codes: mx.array  # uint32, bit-packed
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.codes, self.scales, self.biases]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.biases.nbytes
+
+
+def quantize(x: mx.array, bits: int, group_size: int,
+             scale_dtype: mx.Dtype = mx.float16) -> Quantized:
+    """Affine quantization of ``x`` in groups of ``group_size`` along the last axis.
+
+    Scales and biases are stored in ``scale_dtype`` (float16 by default), as
+    mlx_lm's quantized cache and the papers' accounting do.
+    """
+    if x.shape[-1] % group_size:
+        raise ValueError(
+            f"last axis {x.shape[-1]} is not a multiple of group_size={group_size}"
+        )
+    codes, scales, biases = mx.quantize(x, group_size=group_size, bits=bits)
+    return Quantized(codes, scales.astype(scale_dtype), biases.astype(scale_dtype), bits,
+                     group_size)
+
+
+def dequantize(q: Quantized, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """Rebuild the array from its codes (a transient full-size tensor)."""
+    out = mx.dequantize(q.codes, q.scales.astype(dtype), q.biases.astype(dtype),
+                        group_size=q.group_size, bits=q.bits)
+    return out.astype(dtype)
+
+
+def concat(parts: list[Quantized], axis: int) -> Quantized:
+    """Concatenate quantized arrays along a non-last axis (same bits and groups)."""
+    first = parts[0]
+    return Quantized(
+        mx.concatenate([p.codes for p in parts], axis=axis),
+        mx.concatenate([p.scales for p in parts], axis=axis),
+        mx.concatenate([p.biases for p in parts], axis=axis),
+        first.bits, first.group_size,
+    )
+
+
+def quantized_bytes(n_values: int, bits: int, group_size: int, scale_bytes: int = 2) -> int:
+    """Accounted bytes of ``n_values`` quantized values (codes + scale + bias per group)."""
+    groups = -(-n_values // group_size)
+    return -(-n_values * bits // 8) + groups * 2 * scale_bytes
