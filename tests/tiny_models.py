@@ -10,7 +10,7 @@ import mlx.nn as nn
 BASE = dict(
     hidden_size=128, num_hidden_layers=4, intermediate_size=256, num_attention_heads=4,
     num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128, rope_theta=10000.0,
-    head_dim=32, tie_word_embeddings=True,
+    head_dim=32, tie_word_embeddings=True, max_position_embeddings=4096,
 )
 
 

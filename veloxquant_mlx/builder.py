@@ -54,8 +54,8 @@ class KVCacheBuilder:
         elif options:
             config = config.replace(**options)
         method_cls = get_method(config.method)
-        default_caches = make_prompt_cache(model)
         infos = cls.layer_infos(model)
+        default_caches = make_prompt_cache(model)
         if len(default_caches) != len(infos):
             raise ValueError(
                 f"model.make_cache() gave {len(default_caches)} caches for {len(infos)} layers"

@@ -22,6 +22,7 @@ class AffineCache(CompressedCache):
     """Quantized K and V codes with per-group scales/biases, plus an fp window."""
 
     method = "affine"
+    compute_dtype = mx.float32
 
     def __init__(self, config: KVCacheConfig, layer=None) -> None:
         super().__init__(config, layer)
@@ -32,7 +33,6 @@ class AffineCache(CompressedCache):
         self.qvalues: q.Quantized | None = None
         self.win_keys: mx.array | None = None
         self.win_values: mx.array | None = None
-        self.compute_dtype = mx.float32
         for d in (self.layer.head_dim, self.layer.v_head_dim):
             if d % self.group_size:
                 raise config_error(
@@ -119,8 +119,14 @@ class AffineCache(CompressedCache):
     @state.setter
     def state(self, v) -> None:
         self.win_keys, self.win_values = v[0], v[1]
-        self.qkeys = None if v[2] is None else q.Quantized(*v[2:5], self.n_bits, self.group_size)
-        self.qvalues = None if v[5] is None else q.Quantized(*v[5:8], self.n_bits,
+        self._codes = list(v[2:8])
+        if hasattr(self, "n_bits"):
+            self._build_quantized()
+
+    def _build_quantized(self) -> None:
+        c = self._codes
+        self.qkeys = None if c[0] is None else q.Quantized(*c[0:3], self.n_bits, self.group_size)
+        self.qvalues = None if c[3] is None else q.Quantized(*c[3:6], self.n_bits,
                                                              self.group_size)
 
     @property
@@ -131,3 +137,33 @@ class AffineCache(CompressedCache):
     def meta_state(self, v) -> None:
         self.offset, self.batch_size = int(v[0]), int(v[1])
         self.n_bits, self.group_size, self.window = int(v[2]), int(v[3]), int(v[4])
+        if hasattr(self, "_codes"):
+            self._build_quantized()
+
+    # ---- trimming (prompt-cache reuse across chat turns) ----
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (codes are per token, so slicing is exact)."""
+        n = max(0, min(self.offset, n))
+        keep = self.offset - n
+        n_win = 0 if self.win_keys is None else self.win_keys.shape[2]
+        n_q = self.offset - n_win
+        if keep >= n_q:
+            w = keep - n_q
+            self.win_keys = self.win_keys[:, :, :w] if w else None
+            self.win_values = self.win_values[:, :, :w] if w else None
+        else:
+            self.win_keys = self.win_values = None
+            self.qkeys = _slice_tokens(self.qkeys, keep)
+            self.qvalues = _slice_tokens(self.qvalues, keep)
+        self.offset = keep
+        return n
+
+
+def _slice_tokens(part: q.Quantized | None, n: int) -> q.Quantized | None:
+    if part is None or n == 0:
+        return None
+    return q.Quantized(*(mx.contiguous(a[:, :, :n]) for a in part.arrays), part.bits,
+                       part.group_size)

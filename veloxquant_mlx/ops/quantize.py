@@ -70,3 +70,40 @@ def quantized_bytes(n_values: int, bits: int, group_size: int, scale_bytes: int 
     """Accounted bytes of ``n_values`` quantized values (codes + scale + bias per group)."""
     groups = -(-n_values // group_size)
     return -(-n_values * bits // 8) + groups * 2 * scale_bytes
+
+
+# ---- per-channel quantization along the token axis (KIVI keys) ----
+def quantize_tokens(x: mx.array, bits: int, group_size: int,
+                    scale_dtype: mx.Dtype = mx.float16) -> Quantized:
+    """Quantize ``x`` [..., T, D] per channel, in groups of ``group_size`` tokens.
+
+    Each channel of each group of tokens shares one scale/bias (KIVI's key scheme).
+    The codes are stored transposed, [..., D, T * bits / 32], packed along tokens.
+    """
+    if x.shape[-2] % group_size:
+        raise ValueError(
+            f"token axis {x.shape[-2]} is not a multiple of group_size={group_size}"
+        )
+    return quantize(x.swapaxes(-1, -2), bits, group_size, scale_dtype)
+
+
+def dequantize_tokens(qt: Quantized, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """Rebuild [..., T, D] from :func:`quantize_tokens` (a transient tensor)."""
+    return dequantize(qt, dtype).swapaxes(-1, -2)
+
+
+def concat_packed(parts: list[Quantized]) -> Quantized:
+    """Concatenate quantized arrays along their packed (last) axis.
+
+    Valid because every part holds whole groups: the packed words and the
+    per-group scales of consecutive parts simply follow each other.
+    """
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    return Quantized(
+        mx.concatenate([p.codes for p in parts], axis=-1),
+        mx.concatenate([p.scales for p in parts], axis=-1),
+        mx.concatenate([p.biases for p in parts], axis=-1),
+        first.bits, first.group_size,
+    )

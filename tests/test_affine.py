@@ -1,0 +1,102 @@
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import tiny_model
+
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.cache import LayerInfo
+from veloxquant_mlx.cache.affine import AffineCache
+from veloxquant_mlx.integration.mlx_lm import install_attention_routing
+
+install_attention_routing()
+
+
+def _kv(n, heads=3, dim=64, seed=0):
+    k1, k2 = mx.random.split(mx.random.key(seed))
+    return mx.random.normal((1, heads, n, dim), key=k1), mx.random.normal((1, heads, n, dim),
+                                                                         key=k2)
+
+
+def _cache(**opts):
+    return AffineCache(KVCacheConfig(method="affine", **opts), LayerInfo(n_kv_heads=3,
+                                                                         head_dim=64))
+
+
+@pytest.mark.parametrize("bits,tol", [(8, 0.03), (4, 0.4), (2, 2.0)])
+def test_round_trip_error_shrinks_with_bits(bits, tol):
+    k, v = _kv(100)
+    c = _cache(bits=bits, group_size=32)
+    c.update_and_fetch(k, v)
+    dk, dv = c.dense_kv()
+    assert dk.shape == k.shape
+    assert mx.abs(dk - k).max().item() < tol
+    assert mx.abs(dv - v).max().item() < tol
+
+
+def test_window_keeps_recent_tokens_exact_and_quantizes_the_rest():
+    k, v = _kv(50)
+    c = _cache(bits=4, group_size=64, window=16, window_dtype="float32")
+    for i in range(0, 50, 7):  # chunked like prefill + decode
+        c.update_and_fetch(k[:, :, i:i + 7], v[:, :, i:i + 7])
+    assert c.offset == 50
+    assert c.win_keys.shape[2] == 16 and c.qkeys.codes.shape[2] == 34
+    dk, _ = c.dense_kv()
+    assert mx.array_equal(dk[:, :, -16:], k[:, :, -16:]).item()
+    assert not mx.array_equal(dk[:, :, :34], k[:, :, :34]).item()
+
+
+def test_held_bytes_match_accounting_and_4bit_ratio_at_1024_tokens():
+    k, v = _kv(1024)
+    c = _cache(bits=4, group_size=64)
+    for i in range(0, 1024, 256):
+        c.update_and_fetch(k[:, :, i:i + 256], v[:, :, i:i + 256])
+    s = c.stats()
+    assert s["held_bytes"] == s["accounted_bytes"]
+    assert s["fp16_bytes"] == 1024 * 3 * 128 * 2
+    assert s["ratio"] <= 0.30
+
+
+def test_attention_matches_dense_at_8_bits():
+    k, v = _kv(40)
+    q = mx.random.normal((1, 9, 40, 64), key=mx.random.key(5))
+    c = _cache(bits=8, group_size=32)
+    c.update_and_fetch(k, v)
+    out = c.attend(q, scale=0.125, mask="causal")
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    assert mx.abs(out - ref).max().item() < 0.02
+
+
+def test_state_round_trip():
+    k, v = _kv(70)
+    c = _cache(bits=4, group_size=32, window=8)
+    c.update_and_fetch(k, v)
+    d = AffineCache.from_state(c.state)
+    d.config, d.layer = c.config, c.layer
+    d.meta_state = c.meta_state
+    a, b = c.dense_kv(), d.dense_kv()
+    assert d.offset == 70 and mx.array_equal(a[0], b[0]).item()
+
+
+def test_wrong_shapes_are_rejected():
+    c = _cache()
+    with pytest.raises(ValueError, match="n_kv_heads=3"):
+        c.update_and_fetch(mx.zeros((1, 2, 4, 64)), mx.zeros((1, 2, 4, 64)))
+    with pytest.raises(ValueError, match=r"\[B, n_kv_heads, L, head_dim\]"):
+        c.update_and_fetch(mx.zeros((3, 4, 64)), mx.zeros((3, 4, 64)))
+    c = AffineCache(KVCacheConfig(method="affine", max_ctx=8), LayerInfo(n_kv_heads=3,
+                                                                         head_dim=64))
+    with pytest.raises(ValueError, match="max_ctx=8"):
+        c.update_and_fetch(*_kv(9))
+
+
+def test_generate_step_runs_unmodified_and_tracks_dense_at_8_bits():
+    model = tiny_model("llama")
+    prompt = mx.random.randint(0, 128, (30,), key=mx.random.key(3))
+    dense = [t for t, _ in zip(generate_step(prompt, model, prompt_cache=make_prompt_cache(model)),
+                               range(6))]
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="affine", bits=8,
+                                                           group_size=32))
+    quant = [t for t, _ in zip(generate_step(prompt, model, prompt_cache=caches), range(6))]
+    assert [int(t) for t, _ in quant] == [int(t) for t, _ in dense]
+    assert caches[0].offset >= 30 + 5

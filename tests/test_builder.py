@@ -1,0 +1,109 @@
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from tiny_models import tiny_model
+
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
+from veloxquant_mlx.cache.affine import AffineCache
+from veloxquant_mlx.cache.dense import DenseCache
+from veloxquant_mlx.config import ConfigError
+from veloxquant_mlx.integration import mlx_lm as glue
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_one_cache_per_layer_with_shapes_from_the_model(model_type):
+    model = tiny_model(model_type)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="affine", bits=8,
+                                                           group_size=32))
+    assert len(caches) == len(model.layers)
+    assert all(isinstance(c, AffineCache) for c in caches)
+    infos = [c.layer for c in caches]
+    assert [i.layer_idx for i in infos] == list(range(len(model.layers)))
+    assert all(i.n_kv_heads == 2 and i.head_dim == 32 for i in infos)
+
+
+def test_gemma3_sliding_layers_keep_their_own_cache():
+    model = tiny_model("gemma3_text")
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="affine", bits=8,
+                                                           group_size=32))
+    own = make_prompt_cache(model)
+    for mine, theirs in zip(caches, own):
+        if isinstance(theirs, RotatingKVCache):
+            assert isinstance(mine, RotatingKVCache)
+        else:
+            assert isinstance(theirs, KVCache) and isinstance(mine, AffineCache)
+
+
+def test_options_shortcut_and_group_size_must_divide_head_dim():
+    model = tiny_model("llama", head_dim=32)
+    caches = KVCacheBuilder.for_model(model, method="none")
+    assert all(isinstance(c, DenseCache) for c in caches)
+    with pytest.raises(ConfigError, match="group_size=64.*head_dim=32"):
+        KVCacheBuilder.for_model(model, KVCacheConfig(method="affine", group_size=64))
+
+
+def test_model_without_attention_layers_is_an_error():
+    import mlx.nn as nn
+
+    class NoAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Linear(4, 4) for _ in range(2)]
+
+    with pytest.raises(ValueError, match="no plain full-attention layers"):
+        KVCacheBuilder.for_model(NoAttention(), KVCacheConfig(method="affine"))
+
+    class NoLayers(nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="has no 'layers'"):
+        KVCacheBuilder.for_model(NoLayers(), KVCacheConfig())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text"])
+def test_dense_method_matches_mlx_lm_exactly(model_type):
+    model = tiny_model(model_type)
+    tokens = mx.random.randint(0, 128, (1, 40), key=mx.random.key(1))
+    ref = model(tokens, cache=make_prompt_cache(model))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig())
+    out = mx.concatenate([model(tokens[:, :25], cache=caches),
+                          model(tokens[:, 25:], cache=caches)], axis=1)
+    assert mx.allclose(out, ref, atol=1e-4).item()
+
+
+def test_cache_stats_sums_layers():
+    model = tiny_model("llama")
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="affine", bits=4,
+                                                           group_size=32))
+    model(mx.zeros((1, 64), dtype=mx.int32), cache=caches)
+    s = cache_stats(caches)
+    assert s["held_bytes"] == sum(c.nbytes for c in caches)
+    assert s["fp16_bytes"] == 4 * 64 * 2 * 2 * 32 * 2
+    assert 0.2 < s["ratio"] < 0.35
+
+
+def test_routing_is_reversible():
+    import mlx_lm.models.llama as llama
+
+    tiny_model("llama")
+    glue.install_attention_routing()
+    assert llama.scaled_dot_product_attention is glue.routed_scaled_dot_product_attention
+    glue.uninstall_attention_routing()
+    assert llama.scaled_dot_product_attention is glue._ORIGINAL_SDPA
+    with glue.attention_routing():
+        assert glue.routing_installed("mlx_lm.models.llama")
+    assert not glue.routing_installed("mlx_lm.models.llama")
+    glue.install_attention_routing()
+
+
+def test_attend_cache_refuses_to_run_without_routing():
+    glue.uninstall_attention_routing()
+    try:
+        cache = AffineCache(KVCacheConfig(method="affine", group_size=32),
+                            glue_layer := __import__("veloxquant_mlx").cache.LayerInfo(
+                                n_kv_heads=2, head_dim=32))
+        assert glue_layer.head_dim == 32
+        with pytest.raises(RuntimeError, match="attention routing is not installed"):
+            cache.update_and_fetch(mx.zeros((1, 2, 3, 32)), mx.zeros((1, 2, 3, 32)))
+    finally:
+        glue.install_attention_routing()
