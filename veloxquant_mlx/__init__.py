@@ -7,9 +7,16 @@
 
 from .builder import KVCacheBuilder, cache_stats
 from .config import ConfigError, KVCacheConfig
+from .integration.prompt_cache import (
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
 from .registry import list_methods
 
 __version__ = "0.1.0"
 
 __all__ = ["KVCacheBuilder", "KVCacheConfig", "ConfigError", "cache_stats", "list_methods",
-           "__version__"]
+           "save_prompt_cache", "load_prompt_cache", "can_trim_prompt_cache",
+           "trim_prompt_cache", "__version__"]

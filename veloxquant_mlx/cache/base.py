@@ -61,6 +61,16 @@ class LayerInfo:
             if k not in ("coordinator", "attention")
         }
 
+    def __deepcopy__(self, memo: dict) -> LayerInfo:
+        # mlx_lm deep-copies batch caches; share the live attention module (weights)
+        # instead of copying it, but copy the coordinator (per-sequence state).
+        import copy
+
+        out = copy.copy(self)
+        memo[id(self)] = out
+        out.coordinator = copy.deepcopy(self.coordinator, memo)
+        return out
+
 
 class CompressedCache(_BaseCache):
     """Base class of every veloxquant cache (one per layer).
@@ -107,6 +117,71 @@ class CompressedCache(_BaseCache):
     def after_build(cls, caches: list[CompressedCache], config: KVCacheConfig,
                     model: Any) -> None:
         """Hook run once all caches of a model are built (e.g. to link layer pairs)."""
+
+    @classmethod
+    def from_saved(cls, config: KVCacheConfig, layer: LayerInfo, state: Any,
+                   meta_state: tuple[str, ...]) -> CompressedCache:
+        """Rebuild a cache saved by ``save_prompt_cache``.
+
+        ``layer`` already carries the roles and the fresh coordinator that
+        ``assign_roles`` injected; methods whose coordinator must be refilled from
+        the saved state override this.
+        """
+        cache = cls(config, layer)
+        cache.state = state
+        cache.meta_state = meta_state
+        return cache
+
+    # ---- batches (mlx_lm BatchGenerator) ----
+    # Methods that cannot run as a batch of per-sequence caches set this to False.
+    supports_batching: ClassVar[bool] = True
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> Any:
+        """One batch cache over per-sequence caches (``mlx_lm``'s ``_merge_caches``).
+
+        The default keeps every sequence's compressed cache (and its coordinator) as
+        it is and runs attention per sequence: see ``integration/batch.py``.
+        """
+        if not cls.supports_batching:
+            raise NotImplementedError(
+                f"method {cls.method!r} does not support batch merging: generate one "
+                "sequence at a time"
+            )
+        from ..integration.batch import BatchedCache
+
+        return BatchedCache.merge(caches)
+
+    def __deepcopy__(self, memo: dict) -> CompressedCache:
+        # mlx_lm deep-copies batch caches; mx.Dtype values cannot be deep-copied.
+        import copy
+
+        out = type(self).__new__(type(self))
+        memo[id(self)] = out
+        for k, v in self.__dict__.items():
+            setattr(out, k, v if isinstance(v, mx.Dtype) else copy.deepcopy(v, memo))
+        return out
+
+    def _batch_only(self, name: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"{type(self).__name__} ({self.method!r}): {name} is defined on a merged "
+            "batch cache; merge per-sequence caches first with merge([...])"
+        )
+
+    def extract(self, idx: int) -> Any:
+        raise self._batch_only("extract")
+
+    def filter(self, batch_indices: list[int]) -> None:
+        raise self._batch_only("filter")
+
+    def extend(self, other: Any) -> None:
+        raise self._batch_only("extend")
+
+    def prepare(self, **kwargs: Any) -> None:
+        raise self._batch_only("prepare")
+
+    def finalize(self) -> None:
+        raise self._batch_only("finalize")
 
     # ---- storage accounting ----
     def held_arrays(self) -> list[mx.array]:

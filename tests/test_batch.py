@@ -1,0 +1,116 @@
+"""mlx_lm's batch generation with compressed caches (BatchedCache)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import batch_generate, generate_step
+from test_prompt_cache import implemented_methods, small_config
+from tiny_models import tiny_model
+
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
+from veloxquant_mlx.cache.base import CompressedCache
+from veloxquant_mlx.integration.batch import BatchedCache
+
+PROMPTS = [[(i * 13 + 5 * j) % 120 + 1 for i in range(n)] for j, n in enumerate((23, 7, 40))]
+
+
+class Tok:
+    eos_token_ids = [127]
+
+    def decode(self, tokens):
+        return " ".join(map(str, tokens))
+
+
+def single(model, cfg, prompt, n=5):
+    caches = KVCacheBuilder.for_model(model, cfg)
+    steps = generate_step(mx.array(prompt), model, prompt_cache=caches, max_tokens=n)
+    return [int(t) for (t, _), _ in zip(steps, range(n))]
+
+
+@pytest.mark.parametrize("cfg", [dict(method="none"),
+                                 dict(method="affine", bits=8, group_size=32),
+                                 dict(method="affine", bits=4, group_size=32, window=4)])
+def test_batch_generate_matches_one_at_a_time(cfg: dict) -> None:
+    model = tiny_model("llama", seed=5)
+    config = KVCacheConfig(**cfg)
+    caches = [KVCacheBuilder.for_model(model, config) for _ in PROMPTS]
+    r = batch_generate(model, Tok(), PROMPTS, prompt_caches=caches, max_tokens=5,
+                       return_token_ids=True, return_prompt_caches=True,
+                       prefill_step_size=16)
+    assert r.token_ids == [single(model, config, p) for p in PROMPTS]
+    # The caches that come back are the compressed per-sequence caches, never dense.
+    for prompt, seq_caches in zip(PROMPTS, r.caches):
+        assert all(type(c).method == config.method for c in seq_caches)
+        assert seq_caches[0].offset >= len(prompt)
+
+
+def test_batched_logits_match_per_sequence() -> None:
+    model = tiny_model("llama")
+    config = KVCacheConfig(method="affine", bits=4, group_size=32)
+    per_seq = [KVCacheBuilder.for_model(model, config) for _ in range(2)]
+    batch = [BatchedCache.merge([a, b]) for a, b in zip(*per_seq)]
+    for c in batch:
+        c.prepare(lengths=[9, 4], right_padding=[0, 5])
+    tokens = mx.array([list(range(1, 10)), [3, 4, 5, 6, 0, 0, 0, 0, 0]])
+    out = model(tokens, cache=batch)
+    for c in batch:
+        c.finalize()
+    ref_a = model(tokens[:1], cache=KVCacheBuilder.for_model(model, config))
+    ref_b = model(tokens[1:, :4], cache=KVCacheBuilder.for_model(model, config))
+    assert mx.allclose(out[0], ref_a[0], atol=1e-4).item()
+    assert mx.allclose(out[1, :4], ref_b[0], atol=1e-4).item()
+    assert [c.offset for c in per_seq[1]] == [4] * 4
+    step = model(mx.array([[11], [12]]), cache=batch)
+    assert step.shape[0] == 2
+    assert batch[0].offset.tolist() == [10, 5]
+    # filter / extend / extract keep the per-sequence objects.
+    other = BatchedCache.merge([per_seq[0][0]])
+    batch[0].filter([1])
+    assert batch[0].extract(0) is per_seq[1][0]
+    batch[0].extend(other)
+    assert batch[0].caches == [per_seq[1][0], per_seq[0][0]]
+    assert batch[0].nbytes == per_seq[1][0].nbytes + per_seq[0][0].nbytes
+
+
+def test_batch_errors_are_clear() -> None:
+    model = tiny_model("llama")
+    c = KVCacheBuilder.for_model(model, KVCacheConfig(method="affine", group_size=32))[0]
+    with pytest.raises(NotImplementedError, match="merged batch cache"):
+        c.filter([0])
+    with pytest.raises(NotImplementedError, match="merged batch cache"):
+        c.extract(0)
+    b = BatchedCache.merge([c])
+    with pytest.raises(NotImplementedError, match="left padding"):
+        b.prepare(left_padding=[2])
+    with pytest.raises(ValueError, match="batch size 2"):
+        b.update_and_fetch(mx.zeros((2, 2, 1, 32)), mx.zeros((2, 2, 1, 32)))
+
+    class NoBatch(type(c)):
+        supports_batching = False
+
+    with pytest.raises(NotImplementedError, match="does not support batch merging"):
+        NoBatch.merge([c])
+
+
+@pytest.mark.parametrize("method", implemented_methods())
+def test_batch_generate_every_method(method: str) -> None:
+    """Every method batches (per-sequence caches) or refuses clearly; never dense."""
+    model = tiny_model("llama")
+    cfg = small_config(method, model)
+    caches = [KVCacheBuilder.for_model(model, cfg) for _ in PROMPTS]
+    cls = type(next(c for c in caches[0] if isinstance(c, CompressedCache)))
+    if not cls.supports_batching:
+        with pytest.raises(NotImplementedError, match="does not support batch merging"):
+            batch_generate(model, Tok(), PROMPTS, prompt_caches=caches, max_tokens=3)
+        return
+    r = batch_generate(model, Tok(), PROMPTS, prompt_caches=caches, max_tokens=3,
+                       return_token_ids=True, return_prompt_caches=True)
+    assert r.token_ids == [single(model, cfg, p, 3) for p in PROMPTS]
+    for seq in r.caches:
+        assert cache_stats(seq)["held_bytes"] > 0
+        assert all(isinstance(c, CompressedCache) for c in seq)
+    if cfg.method != "none":
+        dense = sum(cache_stats(s)["fp16_bytes"] for s in r.caches)
+        held = sum(cache_stats(s)["held_bytes"] for s in r.caches)
+        assert held < dense * 2  # float32 window at worst; never a dense float32 copy

@@ -1,0 +1,153 @@
+"""Compressed caches inside mlx_lm's ``BatchGenerator`` / ``batch_generate``.
+
+mlx_lm merges the per-sequence caches of a layer into one batch cache
+(``cache.merge([...])``), right-pads prompts of different lengths
+(``prepare(lengths=..., right_padding=...)``), and later ``filter``s, ``extend``s
+and ``extract``s sequences. Compressed forms (codes, factors, evicted sets) do not
+pad or concatenate generically, so a ``BatchedCache`` keeps each sequence's own
+compressed cache and runs attention one sequence at a time:
+
+- ``update_and_fetch`` hands row ``i`` only its real (unpadded) tokens;
+- ``attend`` runs each row's queries over that row's cache with a causal mask and
+  zero-fills the padded query positions (their outputs are never used);
+- ``offset`` is a per-sequence array, so RoPE places every row at its own position.
+
+Each sequence's caches were built by ``KVCacheBuilder.for_model`` for that sequence,
+so cross-layer methods keep one coordinator per sequence. Nothing is ever expanded
+to a dense cache.
+"""
+
+from __future__ import annotations
+
+import copyreg
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+
+from ..ops.attention import sdpa
+
+
+def _dtype_by_name(name: str) -> mx.Dtype:
+    return getattr(mx, name.rpartition(".")[2])
+
+
+# mlx_lm deep-copies batch caches (``split``); let mx.Dtype values (held by caches and
+# coordinators) be copied too.
+copyreg.pickle(mx.Dtype, lambda d: (_dtype_by_name, (str(d),)))
+
+
+class BatchedCache(_BaseCache):
+    """One layer's batch of independent per-sequence caches."""
+
+    def __init__(self, caches: list[Any]) -> None:
+        self.caches = list(caches)
+        self._pending: list[int] | None = None  # real prompt tokens still to come per row
+        self._real: list[int] = []  # real tokens per row in the current chunk
+        self._dense: list[Any] = []  # transient k/v of caches without ``attend``
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> BatchedCache:
+        flat: list[Any] = []
+        for c in caches:
+            flat.extend(c.caches if isinstance(c, BatchedCache) else [c])
+        return cls(flat)
+
+    # ---- the model's view ----
+    @property
+    def offset(self) -> mx.array:
+        return mx.array([c.offset for c in self.caches])
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        # ``attend`` builds each row's causal mask itself.
+        return None if N == 1 else "causal"
+
+    def _take(self, L: int) -> list[int]:
+        if self._pending is None:
+            return [L] * len(self.caches)
+        real = [min(p, L) for p in self._pending]
+        self._pending = [p - r for p, r in zip(self._pending, real)]
+        return real
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[0] != len(self.caches):
+            raise ValueError(
+                f"batch cache holds {len(self.caches)} sequences but keys have batch "
+                f"size {keys.shape[0]}"
+            )
+        self._real = self._take(keys.shape[2])
+        self._dense = []
+        for i, (c, r) in enumerate(zip(self.caches, self._real)):
+            kv = None
+            if r:
+                kv = c.update_and_fetch(keys[i:i + 1, :, :r], values[i:i + 1, :, :r])
+            self._dense.append(None if hasattr(c, "attend") else kv)
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        B, Hq, L, _ = queries.shape
+        outs = []
+        for i, (c, r) in enumerate(zip(self.caches, self._real)):
+            q = queries[i:i + 1, :, :r]
+            row_mask = "causal" if r > 1 else None
+            if r == 0:
+                out = None
+            elif self._dense[i] is None:
+                out = c.attend(q, scale=scale, mask=row_mask)
+            else:
+                k, v = self._dense[i]
+                out = sdpa(q, k, v, scale, row_mask)
+            if out is None or r < L:
+                Dv = out.shape[3] if out is not None else queries.shape[3]
+                pad = mx.zeros((1, Hq, L - r, Dv), queries.dtype)
+                out = pad if out is None else mx.concatenate([out, pad], axis=2)
+            outs.append(out)
+        self._dense = []
+        return mx.concatenate(outs, axis=0)
+
+    # ---- BatchGenerator hooks ----
+    def prepare(self, *, left_padding: list[int] | None = None,
+                lengths: list[int] | None = None,
+                right_padding: list[int] | None = None) -> None:
+        if left_padding is not None and any(left_padding):
+            raise NotImplementedError(
+                "BatchedCache does not take left padding: compressed caches are padded "
+                "on the right (prepare(lengths=..., right_padding=...))"
+            )
+        if lengths is not None:
+            self._pending = [int(n) for n in lengths]
+
+    def finalize(self) -> None:
+        self._pending = None
+
+    def filter(self, batch_indices: list[int]) -> None:
+        self.caches = [self.caches[i] for i in batch_indices]
+
+    def extend(self, other: BatchedCache) -> None:
+        if not isinstance(other, BatchedCache):
+            raise TypeError(f"cannot extend a BatchedCache with {type(other).__name__}")
+        self.caches.extend(other.caches)
+
+    def extract(self, idx: int) -> Any:
+        return self.caches[idx]
+
+    # ---- bookkeeping ----
+    def size(self) -> int:
+        return max((c.size() for c in self.caches), default=0)
+
+    def empty(self) -> bool:
+        return all(c.empty() for c in self.caches)
+
+    def is_trimmable(self) -> bool:
+        return all(c.is_trimmable() for c in self.caches)
+
+    def trim(self, n: int) -> int:
+        return [c.trim(n) for c in self.caches][0] if self.caches else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    @property
+    def state(self) -> list[Any]:
+        return [c.state for c in self.caches]
