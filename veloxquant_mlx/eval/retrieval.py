@@ -1,0 +1,254 @@
+"""Long-context retrieval tasks, generated in-process from a seed.
+
+- ``passkey``: repeated filler sentences with "The pass key is NNNNN. Remember it."
+  at a chosen depth; the question asks for the pass key (Mohtashami & Jaggi, 2023).
+- ``needle``: natural text (the evaluation corpus) with one "special magic number"
+  needle at a depth (needle-in-a-haystack, RULER's single-key form).
+- ``needle_multi``: several needles with different keys; the question asks for one
+  of them, the others are distractors (RULER's multi-key form).
+- ``kv``: a JSON object of random UUID-like keys and values; the question asks for
+  the value of one key (key-value retrieval, Liu et al., "Lost in the Middle").
+
+The prompt goes through the tokenizer's chat template when it has one, is prefilled
+in chunks like mlx_lm, and the answer is decoded greedily through the caches. A
+sample is correct when its answer string appears in the output.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..builder import KVCacheBuilder, cache_stats
+from .perplexity import Spec, check_model_context, parse_specs
+from .text import encode, load_text
+
+TASKS = ("passkey", "needle", "needle_multi", "kv")
+
+_FILLER = ("The grass is green. The sky is blue. The sun is yellow. "
+           "Here we go. There and back again. ")
+_WORDS = ("amber", "basil", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "indigo",
+          "juniper", "kettle", "lantern", "meadow", "nickel", "orchid", "pepper", "quartz",
+          "raven", "saffron", "timber", "umber", "velvet", "willow", "yarrow", "zephyr")
+
+
+@dataclass
+class Sample:
+    """One generated retrieval prompt and its expected answer."""
+
+    task: str
+    prompt: str  # the user message (before the chat template)
+    answer: str
+    context: int
+    depth: float
+    seed: int
+    prompt_tokens: list[int]
+
+
+def _uuid(rng: random.Random) -> str:
+    h = "".join(rng.choice("0123456789abcdef") for _ in range(32))
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def _key_name(rng: random.Random) -> str:
+    return "-".join(rng.sample(_WORDS, 2))
+
+
+def chat_tokens(tokenizer: Any, message: str, answer_prefix: str = "") -> list[int]:
+    """Token ids of ``message`` as a user turn, then the assistant's ``answer_prefix``.
+
+    Starting the assistant's turn with the answer's lead-in ("The pass key is") makes
+    small chat models answer instead of chatting; the answer itself is generated.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": message}],
+                                             add_generation_prompt=True, tokenize=False)
+        return encode(tokenizer, text + answer_prefix)
+    return encode(tokenizer, message + "\n" + answer_prefix)
+
+
+def _filler_pieces(task: str, rng: random.Random, text: str | None) -> list[str]:
+    if task == "passkey":
+        return [_FILLER]
+    if task == "kv":
+        return []  # pairs are generated on demand
+    # Sentences: fine-grained enough to fill the context to within a few tokens.
+    sents = [x for x in re.split(r"(?<=[.!?])\s+", text or load_text()) if x.strip()]
+    start = rng.randrange(len(sents))
+    return [x + " " for x in sents[start:] + sents[:start]]
+
+
+def make_sample(tokenizer: Any, task: str, context: int, depth: float = 0.5, seed: int = 0,
+                n_needles: int = 4, text: str | None = None) -> Sample:
+    """A ``task`` prompt of about ``context`` tokens (never more) with its answer.
+
+    ``depth`` in [0, 1] places the queried needle (0: start, 1: end of the haystack).
+    The same arguments always give the same prompt.
+    """
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is not allowed: one of {list(TASKS)}")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth={depth} is not allowed: a number in [0, 1]")
+    if n_needles < 1:
+        raise ValueError(f"n_needles={n_needles} is not allowed: an integer >= 1")
+    rng = random.Random(f"{task}:{seed}:{context}:{depth}")
+    needles, question, prefix, answer = _needles(task, rng, n_needles)
+    intro, piece_gen = _haystack(task, rng, text)
+
+    def build(n: int) -> str:
+        pieces = piece_gen(n)
+        # Queried needle at the depth; distractors spread evenly over the haystack.
+        slots = [round(depth * n)] + [round((i + 0.5) * n / len(needles))
+                                      for i in range(len(needles) - 1)]
+        for pos, needle in sorted(zip(slots, needles), key=lambda t: -t[0]):
+            pieces.insert(pos, needle)
+        body = "".join(pieces)
+        if task == "kv":
+            body = "{" + body.rstrip(", \n") + "}\n"
+        return f"{intro}\n\n{body}\n{question}"
+
+    base = len(chat_tokens(tokenizer, answer_prefix=prefix, message=build(0)))
+    if base > context:
+        raise ValueError(
+            f"context={context} is too short for task {task!r}: the prompt without "
+            f"filler already takes {base} tokens"
+        )
+    # Grow the haystack by doubling, then bisect the piece count that fits.
+    lo, hi = 0, 1
+    while len(chat_tokens(tokenizer, answer_prefix=prefix, message=build(hi))) <= context:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if len(chat_tokens(tokenizer, answer_prefix=prefix, message=build(mid))) <= context:
+            lo = mid
+        else:
+            hi = mid
+    prompt = build(lo)
+    return Sample(task, prompt, answer, context, depth, seed,
+                  chat_tokens(tokenizer, prompt, prefix))
+
+
+def _needles(task: str, rng: random.Random,
+             n_needles: int) -> tuple[list[str], str, str, str]:
+    if task == "passkey":
+        key = str(rng.randrange(10000, 100000))
+        return ([f"The pass key is {key}. Remember it. {key} is the pass key. "],
+                "What is the pass key?", "The pass key is", key)
+    if task == "kv":
+        keys = [_uuid(rng) for _ in range(n_needles)]
+        vals = [_uuid(rng) for _ in range(n_needles)]
+        return ([f'"{k}": "{v}", ' for k, v in zip(keys, vals)],
+                f'What is the value associated with the key "{keys[0]}"? Answer with the '
+                "value only.", f'The value associated with the key "{keys[0]}" is "', vals[0])
+    count = 1 if task == "needle" else n_needles
+    names: list[str] = []
+    while len(names) < count:
+        name = _key_name(rng)
+        if name not in names:
+            names.append(name)
+    values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in names]
+    return ([f"The special magic number for {k} is: {v}. " for k, v in zip(names, values)],
+            f"What is the special magic number for {names[0]} mentioned in the provided "
+            "text?", f"The special magic number for {names[0]} is:", values[0])
+
+
+def _haystack(task: str, rng: random.Random, text: str | None):
+    if task == "passkey":
+        intro = ("There is an important piece of information hidden inside a lot of "
+                 "irrelevant text. Find it and memorize it.")
+    elif task == "kv":
+        intro = "Extract the value corresponding to the specified key in the JSON object below."
+    else:
+        intro = ("Some special magic numbers are hidden within the following text. Make sure "
+                 "to memorize them. I will quiz you about the numbers afterwards.")
+    pieces = _filler_pieces(task, rng, text)
+    kv_seed = rng.random()
+
+    def gen(n: int) -> list[str]:
+        if task == "kv":
+            r = random.Random(kv_seed)
+            return [f'"{_uuid(r)}": "{_uuid(r)}", ' for _ in range(n)]
+        return [pieces[i % len(pieces)] for i in range(n)]
+
+    return intro, gen
+
+
+def greedy_generate(model: nn.Module, prompt_tokens: Sequence[int], caches: list[Any],
+                    max_tokens: int = 16, eos: Sequence[int] = (), chunk: int = 512) -> list[int]:
+    """Greedy decoding through ``caches`` (prompt prefilled in chunks of ``chunk``)."""
+    prompt = mx.array(list(prompt_tokens))
+    for start in range(0, len(prompt_tokens), chunk):
+        logits = model(prompt[None, start:start + chunk], cache=caches)
+        mx.eval([c.state for c in caches])
+    out: list[int] = []
+    token = mx.argmax(logits[0, -1]).item()
+    while True:
+        if token in eos:
+            break
+        out.append(token)
+        if len(out) >= max_tokens:
+            break
+        logits = model(mx.array([[token]]), cache=caches)
+        token = mx.argmax(logits[0, -1]).item()
+    return out
+
+
+def _eos_ids(tokenizer: Any) -> set[int]:
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids:
+        return set(ids)
+    one = getattr(tokenizer, "eos_token_id", None)
+    return {one} if one is not None else set()
+
+
+def evaluate_retrieval(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
+                       task: str = "passkey", context: int = 2048,
+                       depths: Sequence[float] = (0.1, 0.5, 0.9), samples: int = 1,
+                       seed: int = 0, n_needles: int = 4, max_tokens: int = 16,
+                       chunk: int = 512, text: str | None = None,
+                       progress: bool = False) -> list[dict[str, Any]]:
+    """Accuracy of each method on the same generated samples (exact answer match)."""
+    from tqdm.auto import tqdm
+
+    parsed = parse_specs(specs)
+    check_model_context(model, context + max_tokens, "context + max_tokens")
+    items = [make_sample(tokenizer, task, context, d, seed + s, n_needles, text)
+             for d in depths for s in range(samples)]
+    eos = _eos_ids(tokenizer)
+    rows = []
+    bar = tqdm(total=len(items) * len(parsed), disable=not progress, desc=task, leave=False)
+    for label, cfg in parsed:
+        results, stats = [], None
+        for item in items:
+            caches = KVCacheBuilder.for_model(model, cfg)
+            ids = greedy_generate(model, item.prompt_tokens, caches, max_tokens, eos, chunk)
+            output = tokenizer.decode(ids)
+            stats = cache_stats(caches)
+            results.append({"depth": item.depth, "seed": item.seed, "answer": item.answer,
+                            "output": output, "correct": item.answer in output})
+            bar.update(1)
+        by_depth: dict[float, list[bool]] = {}
+        for r in results:
+            by_depth.setdefault(r["depth"], []).append(r["correct"])
+        rows.append({
+            "method": label, "config": cfg.to_dict(), "task": task, "context": context,
+            "accuracy": sum(r["correct"] for r in results) / len(results),
+            "by_depth": {str(d): sum(v) / len(v) for d, v in by_depth.items()},
+            "mem_ratio": stats["ratio"] if stats else float("nan"),
+            "samples": results,
+        })
+    bar.close()
+    return rows
+
+
+def sample_dict(sample: Sample) -> dict[str, Any]:
+    """A sample as a plain dict (without the token ids)."""
+    d = asdict(sample)
+    d.pop("prompt_tokens")
+    return d
