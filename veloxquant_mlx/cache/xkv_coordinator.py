@@ -1,0 +1,198 @@
+"""xKV cross-layer coordinator: fan-in of a group's raw keys, fan-out of one basis.
+
+One ``XKVCoordinator`` is shared by every ``XKVCache`` of a model. The members of
+a layer group publish their own ``[S, D]`` matrices for a token range (fan-in);
+the call to ``get_shared_basis`` that sees the last expected member runs ONE
+truncated SVD of their concatenation ``[S, G*D]`` and memoizes it, so every member
+receives the identical arrays (fan-out). State is keyed by ``(group_id,
+token_start)``. mlx_lm runs layers one after another, so no locking is needed.
+
+The returned triple is ``(A, B, s)``:
+
+- ``A`` [S, r]: the token factor shared by the group (orthonormal columns),
+- ``B`` [G, r, D]: the stacked member factors, ``B[i] = diag(s) Vt[:, i*D:(i+1)*D]``,
+- ``s`` [r]: the singular values,
+
+so member ``i``'s matrix is approximated by ``A @ B[i]``. A leading batch axis is
+allowed (``keys`` [b, S, D]; one SVD per sequence): then ``A`` is [b, S, r], ``B``
+[G, b, r, D] and ``s`` [b, r].
+
+Values travel through the same coordinator under a second namespace: the keyword
+``stream`` (``"keys"`` by default, ``"values"`` for values) is part of the state
+key, so keys and values get separate SVDs with separate ranks. ``published_tokens``
+counts the leader's (member 0) tokens of the ``"keys"`` stream.
+
+Memory: raw member matrices are dropped as soon as the SVD has consumed them, and
+the memoized triple is dropped once it has been handed out ``expected_members``
+times (every member has its copy by then); asking again after that is an error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ..ops.svd import truncated_svd
+
+STREAMS = ("keys", "values")
+
+
+class XKVCoordinator:
+    """Shared cross-layer basis store for one model instance / one generation.
+
+    ``max_ctx`` is the per-group token budget; publishing beyond it raises.
+    """
+
+    def __init__(self, max_ctx: int = 8192) -> None:
+        if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or max_ctx < 1:
+            raise ValueError(f"XKVCoordinator max_ctx={max_ctx!r} must be a positive integer")
+        self._max_ctx = max_ctx
+        self.reset()
+
+    @property
+    def max_ctx(self) -> int:
+        """Configured per-group token budget."""
+        return self._max_ctx
+
+    def reset(self) -> None:
+        """Clear all pending groups and published-token counts (a fresh generation)."""
+        # (stream, group_id, token_start) -> {"n": n_tokens, "members": {idx: array}}
+        self._pending: dict[tuple, dict] = {}
+        # (stream, group_id, token_start) -> [triple, times handed out]
+        self._bases: dict[tuple, list] = {}
+        self._done: set[tuple] = set()
+        self._published: dict[int, int] = {}
+        self.svd_calls = 0
+
+    def publish_member_keys(self, group_id: int, member_idx: int, token_start: int,
+                            n_tokens: int, keys: mx.array, *,
+                            stream: str = "keys") -> None:
+        """A group member publishes its own raw matrix for one token range.
+
+        ``keys`` is [S, D] (or [b, S, D]) with S == ``n_tokens``.
+        """
+        if stream not in STREAMS:
+            raise ValueError(f"stream={stream!r} is not one of {list(STREAMS)}")
+        if member_idx < 0:
+            raise ValueError(f"member_idx={member_idx} of group {group_id} must be >= 0")
+        if keys.ndim not in (2, 3) or keys.shape[-2] != n_tokens:
+            raise ValueError(
+                f"group {group_id} member {member_idx}: keys of shape {tuple(keys.shape)} "
+                f"must be [S, D] or [b, S, D] with S = n_tokens = {n_tokens}"
+            )
+        if n_tokens < 1:
+            raise ValueError(f"group {group_id}: n_tokens={n_tokens} must be >= 1")
+        if not bool(mx.all(mx.isfinite(keys)).item()):
+            raise ValueError(
+                f"group {group_id} member {member_idx} published {stream} with NaN or Inf "
+                f"values for tokens {token_start}..{token_start + n_tokens - 1}"
+            )
+        key = (stream, group_id, token_start)
+        if key in self._bases or key in self._done:
+            raise ValueError(
+                f"group {group_id} {stream} at token_start={token_start}: the basis was "
+                f"already computed; member {member_idx} published too late"
+            )
+        entry = self._pending.setdefault(key, {"n": n_tokens, "members": {}})
+        if entry["n"] != n_tokens:
+            raise ValueError(
+                f"group {group_id} {stream} at token_start={token_start}: member "
+                f"{member_idx} published n_tokens={n_tokens}, other members published "
+                f"n_tokens={entry['n']}"
+            )
+        if member_idx in entry["members"]:
+            raise ValueError(
+                f"group {group_id} member {member_idx} published {stream} at "
+                f"token_start={token_start} twice"
+            )
+        if member_idx == 0 and stream == "keys":
+            total = self._published.get(group_id, 0) + n_tokens
+            if total > self._max_ctx:
+                raise ValueError(
+                    f"group {group_id}: publishing {n_tokens} tokens at token_start="
+                    f"{token_start} brings it to {total} tokens, over the budget "
+                    f"max_ctx={self._max_ctx} (raise KVCacheConfig.max_ctx)"
+                )
+            self._published[group_id] = total
+        entry["members"][member_idx] = keys
+
+    def get_shared_basis(self, group_id: int, token_start: int, expected_members: int,
+                         rank: int | None = None, energy_threshold: float = 0.95, *,
+                         stream: str = "keys") -> tuple[mx.array, mx.array, mx.array] | None:
+        """The shared basis ``(A, B, s)`` once every expected member has published;
+        ``None`` while members are missing.
+
+        The SVD runs on the call that observes the last publish and is memoized, so
+        every member gets the same objects. ``rank``/``energy_threshold`` are read
+        only on that triggering call.
+        """
+        key = (stream, group_id, token_start)
+        if key in self._bases:
+            return self._hand_out(key, expected_members)
+        if key in self._done:
+            raise ValueError(
+                f"group {group_id} {stream} at token_start={token_start}: the basis was "
+                f"already handed to all {expected_members} members"
+            )
+        if isinstance(expected_members, bool) or not isinstance(expected_members, int) \
+                or expected_members < 1:
+            raise ValueError(f"expected_members={expected_members!r} must be an integer >= 1")
+        entry = self._pending.get(key)
+        if entry is None or len(entry["members"]) < expected_members:
+            return None
+        members = entry["members"]
+        bad = sorted(i for i in members if i >= expected_members)
+        if bad:
+            raise ValueError(
+                f"group {group_id}: member_idx {bad} out of range for a group of "
+                f"{expected_members} members (allowed 0..{expected_members - 1})"
+            )
+        if not (isinstance(energy_threshold, (int, float))
+                and 0.0 < energy_threshold <= 1.0 and not math.isnan(energy_threshold)):
+            raise ValueError(
+                f"energy_threshold={energy_threshold!r} is not allowed: a number in (0, 1]"
+            )
+        parts = [members[i] for i in range(expected_members)]
+        shapes = {tuple(p.shape) for p in parts}
+        if len(shapes) != 1:
+            raise ValueError(f"group {group_id}: members published different shapes {shapes}")
+        S, D = parts[0].shape[-2], parts[0].shape[-1]
+        G = expected_members
+        if rank is not None:
+            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+                raise ValueError(f"rank={rank!r} must be a positive integer")
+            if rank > G * D or rank > S:
+                raise ValueError(
+                    f"group {group_id}: rank={rank} exceeds min(S={S} tokens, G*D="
+                    f"{G}*{D}={G * D} features)"
+                )
+        x = mx.concatenate([p.astype(mx.float32) for p in parts], axis=-1)  # [.., S, G*D]
+        u, s, vt = truncated_svd(x, rank=rank, energy=energy_threshold)
+        b = s[..., :, None] * vt  # [.., r, G*D]
+        b = b.reshape(*b.shape[:-1], G, D)  # [.., r, G, D]
+        b = mx.moveaxis(b, -2, 0)  # [G, .., r, D]
+        triple = (u, b, s)
+        mx.eval(*triple)
+        self.svd_calls += 1
+        del self._pending[key]  # the raw member matrices are no longer needed
+        self._bases[key] = [triple, 0]
+        return self._hand_out(key, expected_members)
+
+    def _hand_out(self, key: tuple, expected_members: int):
+        slot = self._bases[key]
+        slot[1] += 1
+        if slot[1] >= expected_members:
+            del self._bases[key]
+            self._done.add(key)
+        return slot[0]
+
+    def published_tokens(self, group_id: int) -> int:
+        """Total tokens the leader (member 0) of ``group_id`` has published."""
+        return self._published.get(group_id, 0)
+
+    def pending_bytes(self) -> int:
+        """Bytes of raw member matrices and memoized bases not yet handed out."""
+        total = sum(a.nbytes for e in self._pending.values() for a in e["members"].values())
+        total += sum(a.nbytes for t, _ in self._bases.values() for a in t)
+        return total
