@@ -100,3 +100,14 @@ def test_generate_step_runs_unmodified_and_tracks_dense_at_8_bits():
     quant = [t for t, _ in zip(generate_step(prompt, model, prompt_cache=caches), range(6))]
     assert [int(t) for t, _ in quant] == [int(t) for t, _ in dense]
     assert caches[0].offset >= 30 + 5
+
+
+def test_non_finite_prompt_chunk_is_rejected():
+    c = _cache()
+    k, v = _kv(8)
+    bad = mx.where(mx.arange(8)[None, None, :, None] == 3, mx.nan, k)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        c.update_and_fetch(bad, v)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        c.update_and_fetch(k, v * mx.inf)
+    assert c.offset == 0

@@ -293,6 +293,13 @@ class CompressedCache(_BaseCache):
             raise ValueError(
                 f"{self.method}: batch size changed from {self.batch_size} to {B}"
             )
+        if L > 1 and not mx.all(mx.isfinite(keys) & mx.isfinite(values)).item():
+            # Checked on prompt chunks only: a check per decode step would force a sync
+            # in every layer. Compressing NaN/Inf would silently poison the whole cache.
+            raise ValueError(
+                f"{self.method} cache of layer {self.layer.layer_idx}: keys/values contain "
+                "NaN or Inf; only finite values can be cached"
+            )
         if self.offset + L > self.config.max_ctx:
             raise ValueError(
                 f"{self.method} cache of layer {self.layer.layer_idx}: {self.offset + L} "
