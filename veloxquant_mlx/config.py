@@ -79,6 +79,7 @@ class KVCacheConfig:
     ------
     xquant_latent: for GQA models cache X in the latent space of the SVD of
         the K/V projection weights.
+    xquant_anchor_bits: bits of the XQuant-CL anchor layer (``None``: 8).
     """
 
     method: str = "none"
@@ -110,6 +111,7 @@ class KVCacheConfig:
     minicache_bits: int | None = None
 
     xquant_latent: bool = True
+    xquant_anchor_bits: int | None = None
 
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 

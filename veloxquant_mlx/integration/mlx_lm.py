@@ -23,6 +23,7 @@ from mlx_lm.models import base as mlx_base
 
 _ORIGINAL_SDPA = mlx_base.scaled_dot_product_attention
 _PATCHED: dict[str, Any] = {}
+_ACTIVE = False
 
 
 def routed_scaled_dot_product_attention(
@@ -49,7 +50,10 @@ def routed_scaled_dot_product_attention(
 def _model_modules() -> list[str]:
     return [
         name for name, mod in list(sys.modules.items())
-        if name.startswith("mlx_lm.models.") and mod is not None
+        # Not base itself: modules imported later would copy the wrapper from it, and
+        # uninstalling could not find them.
+        if name.startswith("mlx_lm.models.") and name != "mlx_lm.models.base"
+        and mod is not None
         and getattr(mod, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA
     ]
 
@@ -60,6 +64,8 @@ def install_attention_routing(model: nn.Module | None = None) -> list[str]:
     Returns the names of the modules patched by this call. Idempotent. Caches without
     ``attend`` see no change at all.
     """
+    global _ACTIVE
+    _ACTIVE = True
     names = _model_modules()
     if model is not None:
         for m in (type(model), *(type(x) for _, x in model.named_modules())):
@@ -77,6 +83,8 @@ def install_attention_routing(model: nn.Module | None = None) -> list[str]:
 
 def uninstall_attention_routing() -> None:
     """Put mlx_lm's original attention function back everywhere it was replaced."""
+    global _ACTIVE
+    _ACTIVE = False
     for name, original in list(_PATCHED.items()):
         mod = sys.modules.get(name)
         if mod is not None:
@@ -87,7 +95,7 @@ def uninstall_attention_routing() -> None:
 def routing_installed(module_name: str | None = None) -> bool:
     """Whether routing is active (in ``module_name``, or anywhere)."""
     if module_name is None:
-        return bool(_PATCHED)
+        return _ACTIVE
     mod = sys.modules.get(module_name)
     return mod is not None and getattr(mod, "scaled_dot_product_attention", None) \
         is routed_scaled_dot_product_attention
@@ -96,12 +104,12 @@ def routing_installed(module_name: str | None = None) -> bool:
 @contextmanager
 def attention_routing(model: nn.Module | None = None) -> Iterator[None]:
     """``with attention_routing(model): ...`` installs routing and removes it after."""
-    was = dict(_PATCHED)
+    was_active = _ACTIVE
     install_attention_routing(model)
     try:
         yield
     finally:
-        if not was:
+        if not was_active:
             uninstall_attention_routing()
 
 
@@ -167,3 +175,181 @@ def rope_params(rope: Any) -> dict[str, Any]:
         return {"rope_dims": rope.dims, "rope_base": float(rope.base),
                 "rope_traditional": bool(rope.traditional), "rope_scale": float(rope.scale)}
     return {}
+
+
+# ================================================================ XQuant X hook
+# XQuant caches a layer's attention input X instead of K and V, but mlx_lm's cache
+# interface only ever sees K and V. The hook patches the class of each attention
+# instance (and of its block's input norm) to a subclass for as long as it is
+# installed: when the layer's cache has ``update_x`` the attention hands it X and
+# attends over the K and V rematerialized from it; any other cache falls through to
+# the original ``__call__``. ``uninstall_x_hook`` restores the original classes. The
+# parameter tree and weights are untouched.
+
+XQUANT_ATTENTION_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
+_X_SUBCLASSES: dict[type, type] = {}
+
+
+def linear_weight(linear: nn.Module) -> tuple[mx.array, mx.array | None]:
+    """Float32 ``[in, out]`` weight and bias of a (possibly quantized) linear layer."""
+    if isinstance(linear, nn.QuantizedLinear):
+        w = mx.dequantize(linear.weight, linear.scales, linear.get("biases"),
+                          group_size=linear.group_size, bits=linear.bits,
+                          mode=getattr(linear, "mode", "affine"))
+    else:
+        w = linear.weight
+    bias = linear.get("bias") if "bias" in linear else None
+    return w.astype(mx.float32).T, None if bias is None else bias.astype(mx.float32)
+
+
+class XProjection:
+    """One layer's K/V projections in float32, as XQuant rematerializes them.
+
+    With ``latent`` (GQA models where X is wider than K and V together) the cache
+    holds ``X U_k`` and ``X U_v`` from the SVD ``W_k = U_k S_k V_k^T``; K is rebuilt
+    as ``(X U_k)(S_k V_k^T) + b_k``. The SVD is exact (full rank of ``W_k``).
+    """
+
+    def __init__(self, attn: nn.Module, norm: nn.Module | None, latent: bool) -> None:
+        self.wk, self.bk = linear_weight(attn.k_proj)
+        self.wv, self.bv = linear_weight(attn.v_proj)
+        self.n_kv_heads = attn.n_kv_heads
+        self.in_dim = self.wk.shape[0]
+        self.norm = norm
+        self.residual: mx.array | None = None  # the block input, set by the norm tap
+        self.latent_requested = latent
+        self.latent = latent and self.wk.shape[1] + self.wv.shape[1] < self.in_dim
+        if self.latent:
+            self.uk, self.rk = _svd_factors(self.wk)
+            self.uv, self.rv = _svd_factors(self.wv)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Widths of the arrays the cache holds per token."""
+        if self.latent:
+            return (self.uk.shape[1], self.uv.shape[1])
+        return (self.in_dim,)
+
+    def encode(self, x: mx.array) -> list[mx.array]:
+        """What the cache stores of ``x`` (X itself, or its two latents)."""
+        x = x.astype(mx.float32)
+        return [x @ self.uk, x @ self.uv] if self.latent else [x]
+
+    def kv(self, parts: list[mx.array]) -> tuple[mx.array, mx.array]:
+        """Pre-RoPE ``[B, n_kv_heads, L, head_dim]`` keys and values from ``encode``'s form."""
+        if self.latent:
+            k, v = parts[0] @ self.rk, parts[1] @ self.rv
+        else:
+            k, v = parts[0] @ self.wk, parts[0] @ self.wv
+        if self.bk is not None:
+            k = k + self.bk
+        if self.bv is not None:
+            v = v + self.bv
+        B, L, _ = k.shape
+        return (k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3),
+                v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3))
+
+
+def _svd_factors(w: mx.array) -> tuple[mx.array, mx.array]:
+    """``w [in, out] = U @ R`` with orthonormal ``U [in, r]`` (r = out)."""
+    u, s, vt = mx.linalg.svd(w, stream=mx.cpu)
+    r = w.shape[1]
+    return u[:, :r], s[:r, None] * vt[:r]
+
+
+def _x_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    update_x = getattr(cache, "update_x", None)
+    if update_x is None:
+        return self._xquant_base.__call__(self, x, mask, cache)
+    from ..ops.attention import sdpa
+
+    proj: XProjection = self._xquant
+    residual, proj.residual = proj.residual, None
+    B, L, _ = x.shape
+    start = cache.offset
+    queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+    old_k, old_v = update_x(x, residual, proj)
+    keys, values = proj.kv(proj.encode(x))  # the chunk itself attends with its exact X
+    if old_k is not None:
+        keys = mx.concatenate([old_k, keys], axis=2)
+        values = mx.concatenate([old_v, values], axis=2)
+    queries = self.rope(queries, offset=start)
+    keys = self.rope(keys)
+    out = sdpa(queries, keys.astype(queries.dtype), values.astype(queries.dtype),
+               self.scale, mask)
+    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def _x_norm_call(self, x: mx.array) -> mx.array:
+    self._xquant_target.residual = x  # XQuant-CL caches the block input (residual stream)
+    return self._xquant_base.__call__(self, x)
+
+
+def _x_subclass(cls: type, call: Any) -> type:
+    if cls not in _X_SUBCLASSES:
+        _X_SUBCLASSES[cls] = type(f"XQuant{cls.__name__}", (cls,),
+                                  {"__call__": call, "_xquant_base": cls})
+    return _X_SUBCLASSES[cls]
+
+
+def x_hook_installed(model: nn.Module) -> bool:
+    """Whether ``install_x_hook`` is active on ``model``."""
+    return any(hasattr(attention_module(b), "_xquant") for b in model_layers(model)
+               if attention_module(b) is not None)
+
+
+def install_x_hook(model: nn.Module, latent: bool = True) -> list[XProjection | None]:
+    """Let each attention layer hand its X-cache the layer input (reversible).
+
+    Returns one ``XProjection`` per block (``None`` for blocks without attention).
+    Supported: llama-, mistral- (mlx_lm runs them as llama) and qwen2-style attention;
+    anything else raises ``ValueError`` naming what is supported. Idempotent.
+    """
+    blocks = model_layers(model)
+    attns = [attention_module(b) for b in blocks]
+    for i, attn in enumerate(attns):
+        if attn is None:
+            continue
+        base = getattr(attn, "_xquant_base", type(attn))
+        if base.__module__ not in XQUANT_ATTENTION_MODULES or not all(
+            hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "rope")
+        ):
+            raise ValueError(
+                f"XQuant cannot hook layer {i}: attention {base.__module__}.{base.__name__} "
+                f"is not supported; supported are llama, mistral and qwen2 attention "
+                f"({', '.join(XQUANT_ATTENTION_MODULES)}) with q/k/v/o projections"
+            )
+    out: list[XProjection | None] = []
+    for block, attn in zip(blocks, attns):
+        if attn is None:
+            out.append(None)
+            continue
+        if hasattr(attn, "_xquant") and attn._xquant.latent_requested == latent:
+            out.append(attn._xquant)
+            continue
+        norm = getattr(block, "input_layernorm", None)
+        if norm is not None and "_xquant_base" in type(norm).__dict__:
+            norm.__class__ = type(norm)._xquant_base  # re-hooked with other options
+        proj = XProjection(attn, norm, latent)
+        if hasattr(attn, "_xquant"):
+            attn._xquant = proj
+            attn.__class__ = type(attn)._xquant_base
+        attn._xquant = proj
+        attn.__class__ = _x_subclass(type(attn), _x_attention_call)
+        if norm is not None:
+            norm._xquant_target = proj
+            norm.__class__ = _x_subclass(type(norm), _x_norm_call)
+        out.append(proj)
+    return out
+
+
+def uninstall_x_hook(model: nn.Module) -> None:
+    """Restore the original attention and norm classes of every hooked layer."""
+    for block in model_layers(model):
+        for mod in (attention_module(block), getattr(block, "input_layernorm", None)):
+            if mod is None or "_xquant_base" not in type(mod).__dict__:
+                continue
+            mod.__class__ = type(mod)._xquant_base
+            for name in ("_xquant", "_xquant_target"):
+                if name in mod.__dict__:
+                    delattr(mod, name)

@@ -1,0 +1,329 @@
+"""MiniCache: SLERP merge, the pairwise coordinator contract, storage and generation."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import pytest
+from tiny_models import tiny_model
+
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
+from veloxquant_mlx.cache.base import LayerInfo
+from veloxquant_mlx.cache.minicache import MiniCacheCache
+from veloxquant_mlx.cache.minicache_coordinator import MiniCacheCoordinator, slerp_merge
+from veloxquant_mlx.config import ConfigError
+
+B, H, D = 2, 2, 32
+
+
+def rand_kv(n: int, seed: int) -> tuple[mx.array, mx.array]:
+    k = mx.random.normal((B, H, n, D), key=mx.random.key(seed))
+    v = mx.random.normal((B, H, n, D), key=mx.random.key(seed + 1000))
+    return k, v
+
+
+def close(a: mx.array, b: mx.array, tol: float = 2e-2) -> bool:
+    return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item() < tol
+
+
+# ---------------------------------------------------------------- SLERP
+def test_slerp_endpoints_and_midpoint():
+    x0 = mx.random.normal((3, 5, 16), key=mx.random.key(1))
+    x1 = mx.random.normal((3, 5, 16), key=mx.random.key(2))
+    u0 = x0 / mx.linalg.norm(x0, axis=-1, keepdims=True)
+    u1 = x1 / mx.linalg.norm(x1, axis=-1, keepdims=True)
+    d, n0, n1, dist = slerp_merge(x0, x1, 0.0)
+    assert close(d, u0, 1e-5)
+    assert close(n0, mx.linalg.norm(x0, axis=-1), 1e-5)
+    assert close(n1, mx.linalg.norm(x1, axis=-1), 1e-5)
+    assert close(slerp_merge(x0, x1, 1.0)[0], u1, 1e-5)
+    mid = slerp_merge(x0, x1, 0.5)[0]
+    # Unit length and equal angles to both endpoints.
+    assert close(mx.linalg.norm(mid, axis=-1), mx.ones((3, 5)), 1e-5)
+    assert close(mx.sum(mid * u0, -1), mx.sum(mid * u1, -1), 1e-5)
+    cos = mx.clip(mx.sum(u0 * u1, -1), -1, 1)
+    assert close(dist, mx.arccos(cos) / math.pi, 1e-5)
+
+
+def test_slerp_parallel_and_opposite_vectors():
+    x = mx.array([[1.0, 2.0, 3.0]])
+    d, _, _, dist = slerp_merge(x, 3 * x, 0.5)
+    assert close(d, x / mx.linalg.norm(x), 1e-5) and dist.item() < 1e-3
+    d, _, _, dist = slerp_merge(x, -x, 0.5)
+    assert abs(dist.item() - 1.0) < 1e-3 and bool(mx.all(mx.isfinite(d)).item())
+
+
+# ---------------------------------------------------------------- coordinator contract
+def test_consume_before_publish_is_an_error():
+    c = MiniCacheCoordinator()
+    k, v = rand_kv(4, 0)
+    with pytest.raises(RuntimeError, match="before the primary published"):
+        c.consume(0, 5, 0, k, v)
+
+
+def test_second_consumer_is_an_error():
+    c = MiniCacheCoordinator()
+    k, v = rand_kv(4, 0)
+    c.publish(0, 0, k, v)
+    c.consume(0, 5, 0, k, v)
+    c.publish(0, 4, k, v)
+    with pytest.raises(RuntimeError, match="already its merge partner"):
+        c.consume(0, 6, 4, k, v)
+
+
+def test_second_consume_of_a_range_is_an_error():
+    c = MiniCacheCoordinator()
+    k, v = rand_kv(4, 0)
+    c.publish(0, 0, k, v)
+    c.consume(0, 5, 0, k, v)
+    with pytest.raises(RuntimeError, match="already consumed"):
+        c.consume(0, 5, 0, k, v)
+
+
+def test_mismatched_ranges_are_errors():
+    c = MiniCacheCoordinator()
+    k, v = rand_kv(4, 0)
+    c.publish(0, 0, k, v)
+    with pytest.raises(ValueError, match="does not match the published range"):
+        c.consume(0, 5, 0, k[:, :, :3], v[:, :, :3])
+    with pytest.raises(RuntimeError, match="before its partner consumed"):
+        c.publish(0, 4, k, v)
+    c2 = MiniCacheCoordinator()
+    with pytest.raises(ValueError, match="expected 0"):
+        c2.publish(0, 3, k, v)
+
+
+def test_primary_attends_on_its_chunk_before_the_merge():
+    c = MiniCacheCoordinator(window=0)
+    k0, v0 = rand_kv(6, 0)
+    c.publish(0, 0, k0, v0)
+    rk, rv = c.reconstruct(0, 0, mx.float32)
+    assert rk.shape == (B, H, 6, D) and close(rk, k0, 5e-3) and close(rv, v0, 5e-3)
+    k1, v1 = rand_kv(6, 1)
+    c.consume(0, 1, 0, k1, v1)
+    s = c.store(0)
+    assert s.n_merged == 6 and s.pending == [None, None]
+
+
+@pytest.mark.parametrize("member,t", [(0, 0.0), (1, 1.0)])
+def test_endpoint_t_reconstructs_that_member(member, t):
+    c = MiniCacheCoordinator(t=t, retention=0.0)
+    k0, v0 = rand_kv(10, 0)
+    k1, v1 = rand_kv(10, 1)
+    c.publish(0, 0, k0, v0)
+    c.consume(0, 1, 0, k1, v1)
+    rk, rv = c.reconstruct(0, member, mx.float32)
+    want_k, want_v = (k0, v0) if member == 0 else (k1, v1)
+    assert close(rk, want_k) and close(rv, want_v)
+    # The other member only gets the shared direction: clearly not exact.
+    other = c.reconstruct(0, 1 - member, mx.float32)[0]
+    assert not close(other, k1 if member == 0 else k0, 0.1)
+
+
+def test_merged_tokens_keep_each_layers_magnitude():
+    c = MiniCacheCoordinator(t=0.5, retention=0.0)
+    k0, v0 = rand_kv(8, 0)
+    k1, v1 = 3.0 * k0, 0.5 * v0  # same directions, other lengths
+    c.publish(0, 0, k0, v0)
+    c.consume(0, 1, 0, k1, v1)
+    for m, (k, v) in enumerate(((k0, v0), (k1, v1))):
+        rk, rv = c.reconstruct(0, m, mx.float32)
+        assert close(rk, k, 3e-2) and close(rv, v, 3e-2)
+
+
+def test_retention_keeps_the_most_distant_tokens_exact():
+    c = MiniCacheCoordinator(t=0.5, retention=0.25)
+    n = 16
+    k0, v0 = rand_kv(n, 0)
+    # Tokens 3 and 11 of the partner point elsewhere; the others nearly agree.
+    k1 = k0 + 0.01 * rand_kv(n, 5)[0]
+    flip = mx.array([-1.0 if i in (3, 11) else 1.0 for i in range(n)])[None, None, :, None]
+    k1 = k1 * flip
+    v1 = v0
+    c.publish(0, 0, k0, v0)
+    c.consume(0, 1, 0, k1, v1)
+    s = c.store(0)
+    idx = s.keys.retained_idx
+    assert idx.shape == (B, H, 4)
+    for b in range(B):
+        for h in range(H):
+            assert {3, 11} <= set(idx[b, h].tolist())
+    rk0, _ = c.reconstruct(0, 0, mx.float32)
+    rk1, _ = c.reconstruct(0, 1, mx.float32)
+    assert close(rk0, k0, 3e-2) and close(rk1, k1, 3e-2)
+
+
+def test_window_merges_in_blocks():
+    c = MiniCacheCoordinator(window=4)
+    k, v = rand_kv(10, 0)
+    c.publish(0, 0, k, v)
+    c.consume(0, 1, 0, k, v)
+    s = c.store(0)
+    assert (s.n_merged, s.n_pending(0), s.n_pending(1)) == (6, 4, 4)
+    for i in range(4):  # pending 5..8: the block merges when 2 * window are pending
+        kk, vv = rand_kv(1, 10 + i)
+        c.publish(0, 10 + i, kk, vv)
+        c.consume(0, 1, 10 + i, kk, vv)
+    assert (s.n_merged, s.n_pending(1)) == (10, 4)
+    assert c.reconstruct(0, 0, mx.float32)[0].shape == (B, H, 14, D)
+
+
+# ---------------------------------------------------------------- roles and config
+def infos(n_layers: int) -> list[LayerInfo]:
+    return [LayerInfo(layer_idx=i, n_layers=n_layers, n_kv_heads=2, head_dim=32)
+            for i in range(n_layers)]
+
+
+def test_assign_roles_pairs_the_middle_to_deep_layers():
+    layers = infos(7)
+    MiniCacheCache.assign_roles(layers, KVCacheConfig(method="minicache"), None)
+    roles = [(i.group_size, i.member_idx) for i in layers]
+    assert roles == [(1, 0)] * 3 + [(2, 0), (2, 1), (2, 0), (2, 1)]
+    assert layers[3].group_id == layers[4].group_id != layers[5].group_id
+    coords = {id(i.coordinator) for i in layers[3:]}
+    assert len(coords) == 1 and layers[0].coordinator is None
+
+
+def test_assign_roles_custom_range_and_odd_tail():
+    layers = infos(8)
+    cfg = KVCacheConfig(method="minicache", minicache_start_layer=1, minicache_end_layer=5)
+    MiniCacheCache.assign_roles(layers, cfg, None)
+    assert [i.group_size for i in layers] == [1, 2, 2, 2, 2, 1, 1, 1]
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(minicache_start_layer=9), "minicache_start_layer"),
+    (dict(minicache_end_layer=8), "minicache_end_layer"),
+    (dict(minicache_start_layer=7), "minicache_end_layer"),
+])
+def test_merge_range_outside_the_model_is_an_error(kwargs, field):
+    cfg = KVCacheConfig(method="minicache", **kwargs)
+    with pytest.raises(ConfigError, match=f"KVCacheConfig.{field}=.*8 layers|{field}"):
+        MiniCacheCache.assign_roles(infos(8), cfg, None)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(minicache_t=1.5), "minicache_t"),
+    (dict(minicache_t=-0.1), "minicache_t"),
+    (dict(minicache_t=float("nan")), "minicache_t"),
+    (dict(minicache_bits=7), "minicache_bits"),
+    (dict(minicache_bits=1), "minicache_bits"),
+    (dict(minicache_retention_threshold=1.0), "minicache_retention_threshold"),
+    (dict(minicache_retention_threshold=-0.5), "minicache_retention_threshold"),
+    (dict(minicache_start_layer=-1), "minicache_start_layer"),
+    (dict(minicache_start_layer=4, minicache_end_layer=4), "minicache_end_layer"),
+    (dict(group_size=48), "group_size"),
+    (dict(bits=4), "bits"),
+])
+def test_bad_options_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=f"KVCacheConfig.{field}="):
+        KVCacheConfig(method="minicache", **kwargs)
+
+
+def test_build_with_range_beyond_the_model_fails():
+    model = tiny_model("llama")  # 4 layers
+    with pytest.raises(ConfigError, match="minicache_end_layer=10"):
+        KVCacheBuilder.for_model(model, KVCacheConfig(method="minicache",
+                                                      minicache_end_layer=10))
+
+
+# ---------------------------------------------------------------- on a model
+def run(model, caches, tokens: mx.array, prefill: int) -> mx.array:
+    outs = [model(tokens[:, :prefill], cache=caches)]
+    for i in range(prefill, tokens.shape[1]):
+        outs.append(model(tokens[:, i:i + 1], cache=caches))
+    return mx.concatenate(outs, axis=1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", num_hidden_layers=6)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_storage_is_real_and_counted_once(model, bits):
+    cfg = KVCacheConfig(method="minicache", minicache_bits=bits, window=4)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    tokens = mx.random.randint(0, 128, (2, 40), key=mx.random.key(3))
+    out = run(model, caches, tokens, 32)
+    assert bool(mx.all(mx.isfinite(out)).item())
+    for c in caches:
+        assert c.offset == 40 and c.batch_size == 2
+        assert abs(c.nbytes - c.accounted_bytes()) <= 0.05 * c.accounted_bytes()
+    primary, partner = caches[3], caches[4]
+    assert (primary.layer.member_idx, partner.layer.member_idx) == (0, 1)
+    # The partner holds no shared direction and no token-length [.., D] copy except its window.
+    store = primary.layer.coordinator.store(primary.layer.group_id)
+    n_win = store.n_pending(1)
+    for a in partner.held_arrays():
+        assert a.ndim == 3 or a.shape[2] in (n_win, store.n_retained()[0])
+    assert partner.nbytes < 0.25 * partner.fp16_bytes()
+    ids = {id(a) for a in primary.held_arrays()}
+    assert not ids & {id(a) for a in partner.held_arrays()}
+    stats = cache_stats(caches)
+    assert stats["held_bytes"] < stats["fp16_bytes"]
+
+
+def test_merged_store_keeps_the_primarys_magnitudes(model):
+    tokens = mx.random.randint(0, 128, (1, 24), key=mx.random.key(4))
+    dense = KVCacheBuilder.for_model(model, KVCacheConfig(method="none"))
+    mini = KVCacheBuilder.for_model(model, KVCacheConfig(method="minicache", window=0,
+                                                         minicache_retention_threshold=0.0))
+    model(tokens, cache=dense)
+    model(tokens, cache=mini)
+    # Layer 3 (the primary) sees the same input as in the dense run (up to the fp16
+    # storage of layers 0-2), so its per-token key norms must survive the merge.
+    norms = mx.linalg.norm(dense[3].keys[..., :24, :], axis=-1)
+    store = mini[3].layer.coordinator.store(mini[3].layer.group_id)
+    assert store.n_merged == 24
+    tol = 0.02 * norms.max().item()
+    assert close(store.keys.magnitude[0], norms, tol)
+    rk, _ = mini[3].dense_kv(mx.float32)
+    assert rk.shape == (1, 2, 24, 32)
+    assert close(mx.linalg.norm(rk, axis=-1), norms, tol)
+
+
+def test_batch_rows_are_independent(model):
+    tokens = mx.random.randint(0, 128, (2, 30), key=mx.random.key(5))
+    cfg = KVCacheConfig(method="minicache", minicache_retention_threshold=0.1, window=4)
+    both = run(model, KVCacheBuilder.for_model(model, cfg), tokens, 24)
+    for b in range(2):
+        one = run(model, KVCacheBuilder.for_model(model, cfg), tokens[b:b + 1], 24)
+        assert close(both[b], one[0], 1e-3)
+
+
+def test_unmodified_mlx_lm_generate(model):
+    from mlx_lm.generate import generate_step
+
+    cfg = KVCacheConfig(method="minicache", minicache_bits=4, window=2)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    prompt = mx.array([1, 5, 9, 20, 7, 3, 11, 2])
+    toks = [t for t, _ in zip(generate_step(prompt, model, prompt_cache=caches,
+                                            max_tokens=6), range(6))]
+    assert len(toks) == 6
+    # generate_step runs one step ahead of what it yields.
+    assert {c.offset for c in caches} <= {len(prompt) + 5, len(prompt) + 6}
+    assert len({c.offset for c in caches}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [None, 16])
+def test_real_model_answers_paris(window):
+    from mlx_lm import generate
+
+    from veloxquant_mlx.models import load
+
+    model, tokenizer = load()
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="minicache", window=window))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text = generate(model, tokenizer, prompt, max_tokens=24, prompt_cache=caches)
+    assert "paris" in text.lower()
+    paired = [c for c in caches if c.paired]
+    assert len(paired) == 2 * (15 // 2)  # layers 15..28 in pairs, 29 alone
+    if window == 16:  # the 37-token prompt is long enough that tokens were merged
+        store = paired[0].layer.coordinator.store(paired[0].layer.group_id)
+        assert store.n_merged > 0
+        stats = cache_stats(caches)
+        assert stats["held_bytes"] < stats["fp16_bytes"]

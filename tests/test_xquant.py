@@ -1,0 +1,248 @@
+"""XQuant / XQuant-CL: the X hook, the caches, the coordinator, and bad input."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import tiny_model
+
+from veloxquant_mlx.builder import KVCacheBuilder, cache_stats
+from veloxquant_mlx.cache.xquant import XQuantCache, XQuantCLCache
+from veloxquant_mlx.cache.xquant_coordinator import XQuantCoordinator
+from veloxquant_mlx.config import ConfigError, KVCacheConfig
+from veloxquant_mlx.integration.mlx_lm import (
+    install_x_hook,
+    uninstall_x_hook,
+    x_hook_installed,
+)
+
+
+def _run(model, tokens, caches, prefill: int) -> mx.array:
+    """Prefill ``prefill`` tokens, then decode the rest one token at a time."""
+    outs = [model(tokens[:, :prefill], cache=caches)]
+    for t in range(prefill, tokens.shape[1]):
+        outs.append(model(tokens[:, t:t + 1], cache=caches))
+    return mx.concatenate(outs, axis=1)
+
+
+def _rel_err(a: mx.array, b: mx.array) -> float:
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+@pytest.fixture
+def llama():
+    model = tiny_model("llama")
+    yield model
+    uninstall_x_hook(model)
+
+
+def _tiny(model_type: str):
+    if model_type != "mistral":
+        return tiny_model(model_type)
+    # mlx_lm runs "mistral" checkpoints with its llama module (MODEL_REMAPPING).
+    from mlx_lm.models import llama
+    from tiny_models import BASE
+
+    mx.random.seed(0)
+    return llama.Model(llama.ModelArgs.from_dict(dict(BASE, model_type="mistral")))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("method", ["xquant", "xquant_cl"])
+def test_8bit_close_to_dense_and_2bit_is_not(model_type, method):
+    model = _tiny(model_type)
+    tokens = mx.random.randint(0, 128, (2, 24), key=mx.random.key(1))
+    ref = model(tokens, cache=make_prompt_cache(model))
+    errs = {}
+    for bits in (8, 2):
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, bits=bits))
+        errs[bits] = _rel_err(_run(model, tokens, caches, 9), ref)
+    uninstall_x_hook(model)
+    assert errs[8] < 0.02
+    assert errs[2] > 5 * errs[8]
+
+
+def test_held_matches_accounted_and_no_full_size_copy(llama):
+    tokens = mx.random.randint(0, 128, (2, 70), key=mx.random.key(2))
+    for cfg in (KVCacheConfig(method="xquant", bits=4, window=8),
+                KVCacheConfig(method="xquant_cl", bits=3)):
+        caches = KVCacheBuilder.for_model(llama, cfg)
+        _run(llama, tokens, caches, 40)
+        for c in caches:
+            s = c.stats()
+            assert s["tokens"] == 70
+            assert abs(s["held_bytes"] - s["accounted_bytes"]) <= 0.05 * s["accounted_bytes"]
+            # Only uint32 codes, fp16 scales/biases and the small window are held.
+            for a in c.held_arrays():
+                assert a.dtype in (mx.uint32, mx.float16)
+        st = cache_stats(caches)
+        assert st["held_bytes"] < 0.6 * st["fp16_bytes"]
+
+
+def test_window_keeps_recent_tokens_in_full_precision(llama):
+    tokens = mx.random.randint(0, 128, (1, 30), key=mx.random.key(3))
+    caches = KVCacheBuilder.for_model(llama, KVCacheConfig(method="xquant", window=8))
+    _run(llama, tokens, caches, 20)
+    c = caches[0]
+    assert c.n_window() == 8 and c.codes[0].codes.shape[1] == 22
+    ref = llama(tokens, cache=make_prompt_cache(llama))
+    err_w = _rel_err(_run(llama, tokens, KVCacheBuilder.for_model(
+        llama, KVCacheConfig(method="xquant", bits=2, window=32)), 20), ref)
+    err_q = _rel_err(_run(llama, tokens, KVCacheBuilder.for_model(
+        llama, KVCacheConfig(method="xquant", bits=2, window=0)), 20), ref)
+    assert err_w < 1e-3 < err_q  # everything inside the window: exact up to fp16
+
+
+def test_latent_space_for_gqa():
+    # 1 KV head x 32: K and V together (64) are narrower than X (128).
+    model = tiny_model("llama", num_key_value_heads=1)
+    tokens = mx.random.randint(0, 128, (1, 20), key=mx.random.key(4))
+    ref = model(tokens, cache=make_prompt_cache(model))
+    lat = KVCacheBuilder.for_model(model, KVCacheConfig(method="xquant", bits=8, group_size=32))
+    err_lat = _rel_err(_run(model, tokens, lat, 8), ref)
+    assert lat[0].widths == (32, 32)
+    # Building again with other options re-hooks: XQuant-CL works on the full X.
+    cl = KVCacheBuilder.for_model(model, KVCacheConfig(method="xquant_cl", group_size=32))
+    assert cl[0].widths == (128,)
+    uninstall_x_hook(model)
+    full = KVCacheBuilder.for_model(model, KVCacheConfig(method="xquant", bits=8, group_size=32,
+                                                         xquant_latent=False))
+    _run(model, tokens, full, 8)
+    uninstall_x_hook(model)
+    assert full[0].widths == (128,)
+    assert err_lat < 0.02
+    assert cache_stats(lat)["held_bytes"] < 0.6 * cache_stats(full)["held_bytes"]
+
+
+def test_hook_is_reversible_and_falls_through(llama):
+    tokens = mx.random.randint(0, 128, (1, 12), key=mx.random.key(5))
+    cls = type(llama.layers[0].self_attn)
+    ref = llama(tokens, cache=make_prompt_cache(llama))
+    params = sorted(llama.layers[0].self_attn.parameters())
+    install_x_hook(llama)
+    assert x_hook_installed(llama) and type(llama.layers[0].self_attn) is not cls
+    # Plain KVCache: the hooked layers run the original attention.
+    assert mx.array_equal(llama(tokens, cache=make_prompt_cache(llama)), ref).item()
+    assert sorted(llama.layers[0].self_attn.parameters()) == params  # weights untouched
+    XQuantCache.uninstall(llama)
+    assert not x_hook_installed(llama) and type(llama.layers[0].self_attn) is cls
+    assert mx.array_equal(llama(tokens, cache=make_prompt_cache(llama)), ref).item()
+
+
+def test_without_hook_is_a_clear_error(llama):
+    caches = KVCacheBuilder.for_model(llama, KVCacheConfig(method="xquant"))
+    uninstall_x_hook(llama)
+    with pytest.raises(RuntimeError, match="X hook is not installed"):
+        llama(mx.array([[1, 2, 3]]), cache=caches)
+
+
+def test_trim_and_state_roundtrip(llama):
+    tokens = mx.random.randint(0, 128, (1, 30), key=mx.random.key(6))
+    caches = KVCacheBuilder.for_model(llama, KVCacheConfig(method="xquant", window=4))
+    _run(llama, tokens, caches, 20)
+    c = caches[1]
+    clone = XQuantCache(c.config, c.layer)
+    clone.state, clone.meta_state = c.state, c.meta_state
+    assert clone.offset == 30 and clone.nbytes == c.nbytes and clone.n_window() == 4
+    assert c.trim(6) == 6 and c.offset == 24 and c.n_window() == 0
+    assert c.codes[0].codes.shape[1] == 24
+
+
+def test_unsupported_architecture_is_a_clear_error():
+    model = tiny_model("gemma3_text")
+    with pytest.raises(ValueError, match="supported are llama, mistral and qwen2"):
+        KVCacheBuilder.for_model(model, KVCacheConfig(method="xquant"))
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"bits": 7}, "bits"), ({"bits": 1}, "bits"), ({"group_size": 48}, "group_size"),
+    ({"window": -1}, "window"), ({"xquant_latent": "yes"}, "xquant_latent"),
+    ({"xquant_anchor_bits": 9}, "xquant_anchor_bits"),
+])
+@pytest.mark.parametrize("method", ["xquant", "xquant_cl"])
+def test_bad_config_names_the_field(method, kwargs, field):
+    with pytest.raises(ConfigError, match=f"KVCacheConfig.{field}="):
+        KVCacheConfig(method=method, **kwargs)
+
+
+def test_cl_window_and_group_size_errors(llama):
+    with pytest.raises(ConfigError, match="KVCacheConfig.window=8"):
+        KVCacheConfig(method="xquant_cl", window=8)
+    # hidden 128 is fine with 128; a latent of 32 per K/V is not.
+    model = tiny_model("llama", num_key_value_heads=1)
+    with pytest.raises(ConfigError, match="KVCacheConfig.group_size=64"):
+        KVCacheBuilder.for_model(model, KVCacheConfig(method="xquant", group_size=64))
+    assert not x_hook_installed(model)  # a failed build leaves the model as it was
+
+
+def test_cl_roles_and_anchor_bits(llama):
+    caches = KVCacheBuilder.for_model(llama, KVCacheConfig(method="xquant_cl", bits=2,
+                                                           xquant_anchor_bits=8))
+    assert all(isinstance(c, XQuantCLCache) for c in caches)
+    coord = caches[0].coordinator
+    assert all(c.coordinator is coord for c in caches)
+    assert [c.is_anchor for c in caches] == [True, False, False, False]
+    assert caches[0].n_bits == 8 and caches[1].n_bits == 2
+    llama(mx.array([[1, 2, 3, 4]]), cache=caches)
+    assert coord._x is None  # the transient accumulator is dropped after the last layer
+
+
+# ---------------------------------------------------------------- coordinator
+def test_coordinator_publish_read_pass_on():
+    c = XQuantCoordinator()
+    c.set_anchor(0)
+    c.last_layer = 2
+    x0 = mx.ones((1, 5, 8))
+    c.publish(0, 3, 5, x0)
+    assert c.read(1, 3, 5) is x0
+    x1 = x0 * 2
+    c.pass_on(1, x1)
+    assert c.read(2, 3, 5) is x1
+    c.pass_on(2, x1 + 1)
+    with pytest.raises(ValueError, match="before the anchor layer 0 published"):
+        c.read(1, 5, 6)
+
+
+def test_coordinator_errors():
+    c = XQuantCoordinator()
+    with pytest.raises(ValueError, match="no anchor layer"):
+        c.publish(0, 0, 2, mx.ones((1, 2, 4)))
+    c.set_anchor(0)
+    c.set_anchor(0)  # the same anchor again is fine
+    with pytest.raises(ValueError, match="second anchor"):
+        c.set_anchor(3)
+    with pytest.raises(ValueError, match="before the anchor"):
+        c.read(1, 0, 2)
+    with pytest.raises(ValueError, match="only the anchor layer 0 publishes"):
+        c.publish(1, 0, 2, mx.ones((1, 2, 4)))
+    with pytest.raises(ValueError, match=r"expected \[B, 2, D\]"):
+        c.publish(0, 0, 2, mx.ones((1, 3, 4)))
+    c.publish(0, 0, 2, mx.ones((1, 2, 4)))
+    with pytest.raises(ValueError, match=r"reads tokens \[0, 3\) but tokens \[0, 2\)"):
+        c.read(1, 0, 3)
+    with pytest.raises(ValueError, match="model order"):
+        c.read(0, 0, 2)
+
+
+# ---------------------------------------------------------------- real model
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["xquant", "xquant_cl"])
+def test_paris_on_embedded_model(method):
+    from mlx_lm import generate
+
+    from veloxquant_mlx.models import load
+
+    model, tokenizer = load()
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, tokenize=False,
+    )
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method))
+    try:
+        text = generate(model, tokenizer, prompt, max_tokens=16, prompt_cache=caches)
+    finally:
+        uninstall_x_hook(model)
+    assert "Paris" in text
+    st = cache_stats(caches)
+    assert st["held_bytes"] < 0.5 * st["fp16_bytes"]

@@ -1,0 +1,265 @@
+"""MiniCache's pairwise coordinator: one primary publishes, one partner merges.
+
+Layers ``l`` (primary, member 0) and ``l + 1`` (partner, member 1) of a merged pair
+share one ``PairStore``. Within a forward pass the primary runs first: it publishes
+its new keys/values, which wait in its full-precision window so it can attend on
+them. The partner then consumes the same token range, and the tokens of both
+layers that leave the window are merged: one SLERP direction per token and head,
+two magnitudes, and the most distant tokens retained unmerged for both layers.
+From then on both layers read the merged store.
+
+The coordinator is single-threaded by construction: mlx_lm calls the layers in
+order, so plain dicts need no locking.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..ops import quantize as q
+
+
+def slerp_merge(x0: mx.array, x1: mx.array, t: float
+                ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """SLERP of the directions of ``x0`` and ``x1`` along the last axis (float32).
+
+    Returns the merged direction, the two magnitudes (norms) and the angular
+    distance ``Omega / pi`` in [0, 1] of every vector pair.
+    """
+    x0, x1 = x0.astype(mx.float32), x1.astype(mx.float32)
+    n0 = mx.linalg.norm(x0, axis=-1, keepdims=True)
+    n1 = mx.linalg.norm(x1, axis=-1, keepdims=True)
+    eps = 1e-12
+    u0, u1 = x0 / mx.maximum(n0, eps), x1 / mx.maximum(n1, eps)
+    cos = mx.clip(mx.sum(u0 * u1, axis=-1, keepdims=True), -1.0, 1.0)
+    omega = mx.arccos(cos)
+    sin = mx.sin(omega)
+    # Nearly (anti)parallel pairs: sin(omega) ~ 0, fall back to linear interpolation.
+    ok = sin > 1e-6
+    safe = mx.where(ok, sin, 1.0)
+    a = mx.where(ok, mx.sin((1.0 - t) * omega) / safe, 1.0 - t)
+    b = mx.where(ok, mx.sin(t * omega) / safe, t)
+    direction = a * u0 + b * u1
+    return direction, n0[..., 0], n1[..., 0], omega[..., 0] / math.pi
+
+
+def _cat(a: mx.array | None, b: mx.array, axis: int = 2) -> mx.array:
+    return b if a is None else mx.concatenate([a, b], axis=axis)
+
+
+@dataclass
+class _Part:
+    """Merged form of one tensor kind (keys or values) of a pair."""
+
+    direction: mx.array | q.Quantized | None = None  # [B, H, N, D], shared
+    magnitude: list = field(default_factory=lambda: [None, None])  # [B, H, N] per member
+    retained: list = field(default_factory=lambda: [None, None])  # [B, H, R, D] per member
+    retained_idx: mx.array | None = None  # [B, H, R] int32 positions, shared
+
+    def arrays(self, member: int) -> list[mx.array]:
+        out = [self.magnitude[member], self.retained[member]]
+        if member == 0:  # the primary holds the shared parts (counted once)
+            d = self.direction
+            out += d.arrays if isinstance(d, q.Quantized) else [d]
+            out.append(self.retained_idx)
+        return [a for a in out if a is not None]
+
+
+@dataclass
+class PairStore:
+    """Everything a merged pair holds: merged parts and both full-precision windows."""
+
+    keys: _Part = field(default_factory=_Part)
+    values: _Part = field(default_factory=_Part)
+    n_merged: int = 0
+    # Unmerged recent tokens of each member: [(keys, values) or None, ...].
+    pending: list = field(default_factory=lambda: [None, None])
+    published_end: int = 0  # tokens the primary has published
+    consumed_end: int = 0  # tokens the partner has consumed
+    partner: int | None = None  # layer index of the one consumer
+
+    def n_pending(self, member: int) -> int:
+        p = self.pending[member]
+        return 0 if p is None else p[0].shape[2]
+
+    def n_retained(self) -> tuple[int, int]:
+        rk, rv = self.keys.retained_idx, self.values.retained_idx
+        return (0 if rk is None else rk.shape[2], 0 if rv is None else rv.shape[2])
+
+
+class MiniCacheCoordinator:
+    """Shared merge store of one model: one ``PairStore`` per merged layer pair.
+
+    ``t``: SLERP parameter; ``retention``: fraction of each merged block's tokens
+    (per KV head) kept unmerged; ``window``: recent tokens kept unmerged (0 merges
+    every token as it arrives; otherwise a block is merged whenever ``2 * window``
+    tokens are pending, keeping the newest ``window``); ``bits``/``group_size``:
+    affine quantization of the merged directions (``bits=None``: float16).
+    """
+
+    def __init__(self, t: float = 0.5, retention: float = 0.05, window: int = 0,
+                 bits: int | None = None, group_size: int = 64,
+                 store_dtype: mx.Dtype = mx.float16) -> None:
+        self.t = t
+        self.retention = retention
+        self.window = window
+        self.bits = bits
+        self.group_size = group_size
+        self.store_dtype = store_dtype
+        self.pairs: dict[int, PairStore] = {}
+
+    def store(self, pair_id: int) -> PairStore:
+        if pair_id not in self.pairs:
+            self.pairs[pair_id] = PairStore()
+        return self.pairs[pair_id]
+
+    # ---- the pairwise contract ----
+    def publish(self, pair_id: int, token_start: int, keys: mx.array,
+                values: mx.array) -> None:
+        """The primary publishes its keys/values for ``[token_start, +L)``."""
+        s = self.store(pair_id)
+        if s.published_end != s.consumed_end:
+            raise RuntimeError(
+                f"MiniCache pair {pair_id}: the primary published tokens "
+                f"[{token_start}, {token_start + keys.shape[2]}) before its partner "
+                f"consumed [{s.consumed_end}, {s.published_end})"
+            )
+        if token_start != s.published_end:
+            raise ValueError(
+                f"MiniCache pair {pair_id}: the primary published a range starting at "
+                f"token {token_start}, expected {s.published_end}"
+            )
+        p = s.pending[0]
+        dt = self.store_dtype
+        s.pending[0] = (keys.astype(dt), values.astype(dt)) if p is None else (
+            _cat(p[0], keys.astype(dt)), _cat(p[1], values.astype(dt)))
+        s.published_end = token_start + keys.shape[2]
+
+    def consume(self, pair_id: int, layer_idx: int, token_start: int, keys: mx.array,
+                values: mx.array) -> None:
+        """The partner consumes the published range with its own keys/values and merges."""
+        s = self.store(pair_id)
+        n = keys.shape[2]
+        if s.partner is not None and s.partner != layer_idx:
+            raise RuntimeError(
+                f"MiniCache pair {pair_id}: layer {layer_idx} tried to consume, but layer "
+                f"{s.partner} is already its merge partner (exactly one consumer per pair)"
+            )
+        if s.published_end == s.consumed_end:
+            if token_start < s.consumed_end:
+                raise RuntimeError(
+                    f"MiniCache pair {pair_id}: tokens [{token_start}, {token_start + n}) "
+                    "were already consumed (a second consume of the same range)"
+                )
+            raise RuntimeError(
+                f"MiniCache pair {pair_id}: layer {layer_idx} consumed tokens "
+                f"[{token_start}, {token_start + n}) before the primary published them"
+            )
+        if token_start != s.consumed_end or token_start + n != s.published_end:
+            raise ValueError(
+                f"MiniCache pair {pair_id}: consumed range [{token_start}, "
+                f"{token_start + n}) does not match the published range "
+                f"[{s.consumed_end}, {s.published_end})"
+            )
+        s.partner = layer_idx
+        dt = self.store_dtype
+        p = s.pending[1]
+        s.pending[1] = (keys.astype(dt), values.astype(dt)) if p is None else (
+            _cat(p[0], keys.astype(dt)), _cat(p[1], values.astype(dt)))
+        s.consumed_end = token_start + n
+        pend = s.n_pending(1)
+        if self.window == 0:
+            self._merge(s, pend)
+        elif pend >= 2 * self.window:
+            self._merge(s, pend - self.window)
+
+    # ---- merging ----
+    def _merge(self, s: PairStore, n: int) -> None:
+        """Merge the oldest ``n`` pending tokens of both members into the store."""
+        if n <= 0:
+            return
+        (k0, v0), (k1, v1) = s.pending
+        self._merge_part(s.keys, k0[:, :, :n], k1[:, :, :n], s.n_merged)
+        self._merge_part(s.values, v0[:, :, :n], v1[:, :, :n], s.n_merged)
+        s.n_merged += n
+        for m, (k, v) in enumerate(s.pending):
+            s.pending[m] = None if k.shape[2] == n else (k[:, :, n:], v[:, :, n:])
+
+    def _merge_part(self, part: _Part, x0: mx.array, x1: mx.array, start: int) -> None:
+        direction, n0, n1, dist = slerp_merge(x0, x1, self.t)
+        dt = self.store_dtype
+        if self.bits is None:
+            part.direction = _cat(part.direction, direction.astype(dt))
+        else:
+            qd = q.quantize(direction, self.bits, self.group_size)
+            part.direction = qd if part.direction is None else q.concat(
+                [part.direction, qd], axis=2)
+        part.magnitude = [_cat(part.magnitude[0], n0.astype(dt)),
+                          _cat(part.magnitude[1], n1.astype(dt))]
+        r = int(self.retention * x0.shape[2])
+        if r == 0:
+            return
+        # The r most distant tokens of each (batch, head) stay unmerged in both layers.
+        local = mx.argpartition(-dist, kth=r - 1, axis=-1)[..., :r].astype(mx.int32)
+        gather = mx.broadcast_to(local[..., None], (*local.shape, x0.shape[-1]))
+        part.retained = [_cat(part.retained[0], mx.take_along_axis(x0, gather, 2).astype(dt)),
+                         _cat(part.retained[1], mx.take_along_axis(x1, gather, 2).astype(dt))]
+        part.retained_idx = _cat(part.retained_idx, local + start)
+
+    # ---- reading ----
+    def reconstruct(self, pair_id: int, member: int, dtype: mx.Dtype
+                    ) -> tuple[mx.array | None, mx.array | None]:
+        """Transient dense keys/values of one member (merged tokens, then its window)."""
+        s = self.store(pair_id)
+        ks, vs = [], []
+        if s.n_merged:
+            ks.append(self._rebuild(s.keys, member, dtype))
+            vs.append(self._rebuild(s.values, member, dtype))
+        if s.pending[member] is not None:
+            ks.append(s.pending[member][0].astype(dtype))
+            vs.append(s.pending[member][1].astype(dtype))
+        if not ks:
+            return None, None
+        if len(ks) == 1:
+            return ks[0], vs[0]
+        return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+
+    def _rebuild(self, part: _Part, member: int, dtype: mx.Dtype) -> mx.array:
+        d = part.direction
+        d = q.dequantize(d, dtype) if isinstance(d, q.Quantized) else d.astype(dtype)
+        x = part.magnitude[member].astype(dtype)[..., None] * d
+        if part.retained_idx is not None:
+            idx = part.retained_idx
+            idx = mx.broadcast_to(idx[..., None], (*idx.shape, x.shape[-1]))
+            x = mx.put_along_axis(x, idx, part.retained[member].astype(dtype), axis=2)
+        return x
+
+    # ---- accounting ----
+    def held_arrays(self, pair_id: int, member: int) -> list[mx.array]:
+        """Arrays one member holds; the shared direction and indices go to the primary."""
+        s = self.store(pair_id)
+        out = s.keys.arrays(member) + s.values.arrays(member)
+        if s.pending[member] is not None:
+            out += list(s.pending[member])
+        return out
+
+    def accounted_bytes(self, pair_id: int, member: int, batch: int, n_heads: int,
+                        head_dim: int, v_head_dim: int) -> int:
+        """Storage formula of one member's share of the pair."""
+        s = self.store(pair_id)
+        item = mx.zeros((), self.store_dtype).itemsize
+        rk, rv = s.n_retained()
+        per_head = s.n_merged * 2 * item  # key and value magnitudes
+        per_head += (rk * head_dim + rv * v_head_dim) * item  # retained vectors
+        per_head += s.n_pending(member) * (head_dim + v_head_dim) * item
+        if member == 0:
+            if self.bits is None:
+                per_tok = (head_dim + v_head_dim) * item
+            else:
+                per_tok = sum(q.quantized_bytes(d, self.bits, self.group_size)
+                              for d in (head_dim, v_head_dim))
+            per_head += s.n_merged * per_tok + (rk + rv) * 4  # directions + int32 indices
+        return batch * n_heads * per_head

@@ -1,0 +1,288 @@
+"""``xquant`` and ``xquant_cl``: cache the quantized layer input X, rematerialize K and V.
+
+XQuant (Tomar et al., 2025, arXiv 2508.10395) stores, per layer and token, the
+quantized attention input X (the normalized hidden state) instead of K and V, and
+rebuilds ``K = X W_k (+ b_k, then RoPE)`` and ``V = X W_v (+ b_v)`` when attending.
+For GQA models, where X is wider than K and V together, ``xquant_latent`` stores
+``X U_k`` and ``X U_v`` from the SVD of the projection weights instead.
+
+XQuant-CL stores the first layer's input (the anchor) and, for every later layer,
+the quantized delta of its input to the previous layer's *reconstruction*, so each
+layer's quantization error is corrected by the next delta instead of piling up.
+It works on the residual stream (the block input before its norm), where layer-to-
+layer changes are small; each layer applies its own norm when it rematerializes.
+
+The attention itself runs in the X hook (``integration.mlx_lm.install_x_hook``),
+which ``KVCacheBuilder.for_model`` installs through ``after_build``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import KVCacheConfig, config_error
+from ..ops import quantize as q
+from .base import CompressedCache, require_int
+from .xquant_coordinator import XQuantCoordinator
+
+XQUANT_DEFAULT_BITS = 4
+XQUANT_CL_DEFAULT_BITS = 4
+XQUANT_CL_ANCHOR_BITS = 8  # the anchor carries every later layer's reconstruction
+
+
+class XQuantCache(CompressedCache):
+    """Quantized X (or its K/V latents) per token, plus an optional fp window."""
+
+    method = "xquant"
+    default_bits = XQUANT_DEFAULT_BITS
+
+    def __init__(self, config: KVCacheConfig, layer=None) -> None:
+        super().__init__(config, layer)
+        self.n_bits = config.get("bits", self.default_bits)
+        self.group_size = config.get("group_size", 64)
+        self.window = config.get("window", 0)
+        self.widths: tuple[int, ...] = ()
+        self.codes: list[q.Quantized] | None = None  # one per stored part
+        self.win: list[mx.array] | None = None
+
+    @classmethod
+    def validate_config(cls, config: KVCacheConfig) -> None:
+        require_int("bits", config.get("bits", cls.default_bits), q.AFFINE_BITS)
+        require_int("group_size", config.get("group_size", 64), q.AFFINE_GROUP_SIZES)
+        require_int("window", config.get("window", 0), minimum=0)
+        if not isinstance(config.xquant_latent, bool):
+            raise config_error("xquant_latent", config.xquant_latent, "True or False")
+        anchor = config.xquant_anchor_bits
+        if anchor is not None:
+            require_int("xquant_anchor_bits", anchor, q.AFFINE_BITS)
+
+    @classmethod
+    def after_build(cls, caches: list[CompressedCache], config: KVCacheConfig,
+                    model: Any) -> None:
+        from ..integration.mlx_lm import install_x_hook, uninstall_x_hook, x_hook_installed
+
+        was = x_hook_installed(model)
+        projs = install_x_hook(model, latent=config.xquant_latent and cls is XQuantCache)
+        try:
+            for c in caches:
+                c.bind(projs[c.layer.layer_idx])
+        except Exception:
+            if not was:
+                uninstall_x_hook(model)
+            raise
+
+    @classmethod
+    def uninstall(cls, model: Any) -> None:
+        """Remove the X hook from ``model`` (its attention runs as before)."""
+        from ..integration.mlx_lm import uninstall_x_hook
+
+        uninstall_x_hook(model)
+
+    def bind(self, proj: Any) -> None:
+        """Check the stored widths against ``group_size`` (known once the hook is in)."""
+        self.widths = proj.widths
+        for d in self.widths:
+            if d % self.group_size:
+                raise config_error(
+                    "group_size", self.group_size,
+                    f"a divisor of the cached width {d} of layer {self.layer.layer_idx} "
+                    f"(one of {[g for g in q.AFFINE_GROUP_SIZES if d % g == 0]})",
+                )
+
+    # ---- the X protocol (called by the hook) ----
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        raise RuntimeError(
+            f"{type(self).__name__} caches the layer input X, not K and V, but the model's "
+            "attention called update_and_fetch: the X hook is not installed. Build caches "
+            "with KVCacheBuilder.for_model or call "
+            "veloxquant_mlx.integration.mlx_lm.install_x_hook(model)"
+        )
+
+    def _begin(self, x: mx.array) -> int:
+        if x.ndim != 3:
+            raise ValueError(f"{self.method}: X must be [B, L, hidden], got {tuple(x.shape)}")
+        B, L, _ = x.shape
+        if self.batch_size and B != self.batch_size:
+            raise ValueError(f"{self.method}: batch size changed from {self.batch_size} to {B}")
+        if self.offset + L > self.config.max_ctx:
+            raise ValueError(
+                f"{self.method} cache of layer {self.layer.layer_idx}: {self.offset + L} "
+                f"tokens exceed KVCacheConfig.max_ctx={self.config.max_ctx}"
+            )
+        self.batch_size = B
+        start = self.offset
+        self.offset += L
+        return start
+
+    def update_x(self, x: mx.array, residual: mx.array | None,
+                 proj: Any) -> tuple[mx.array | None, mx.array | None]:
+        """Store the chunk's X; return pre-RoPE K and V of the tokens held before it."""
+        start = self._begin(x)
+        old = self._parts(mx.float32) if start else None
+        new = proj.encode(x)
+        wdt = self.window_dtype(mx.float32)
+        win = new if self.win is None else [
+            mx.concatenate([w, n.astype(wdt)], axis=1) for w, n in zip(self.win, new)
+        ]
+        overflow = win[0].shape[1] - self.window
+        if overflow > 0:
+            qs = [q.quantize(w[:, :overflow].astype(mx.float32), self.n_bits, self.group_size)
+                  for w in win]
+            self.codes = qs if self.codes is None else [
+                q.concat([a, b], axis=1) for a, b in zip(self.codes, qs)
+            ]
+            win = [w[:, overflow:] for w in win]
+        self.win = [w.astype(wdt) for w in win] if win[0].shape[1] else None
+        if old is None:
+            return None, None
+        return proj.kv(old)
+
+    def _parts(self, dtype: mx.Dtype) -> list[mx.array]:
+        """Transient dequantized parts of every held token (codes, then window)."""
+        out = []
+        for i in range(len(self.widths)):
+            pieces = []
+            if self.codes is not None:
+                pieces.append(q.dequantize(self.codes[i], dtype))
+            if self.win is not None:
+                pieces.append(self.win[i].astype(dtype))
+            out.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1))
+        return out
+
+    # ---- storage ----
+    def held_arrays(self) -> list[mx.array]:
+        out: list[mx.array] = []
+        for part in self.codes or []:
+            out.extend(part.arrays)
+        out.extend(self.win or [])
+        return out
+
+    def n_window(self) -> int:
+        return 0 if self.win is None else self.win[0].shape[1]
+
+    def accounted_bytes(self) -> int:
+        B = max(self.batch_size, 1)
+        n_win = self.n_window()
+        n_q = self.offset - n_win
+        per_q = sum(q.quantized_bytes(d, self.n_bits, self.group_size) for d in self.widths)
+        itemsize = self.win[0].itemsize if self.win is not None else 2
+        return B * (n_q * per_q + n_win * sum(self.widths) * itemsize)
+
+    # ---- save / restore / trim ----
+    @property
+    def state(self) -> list[mx.array]:
+        return self.held_arrays()
+
+    @state.setter
+    def state(self, v: list[mx.array]) -> None:
+        # Codes come as (uint32 codes, scales, biases) triples, then the window parts.
+        codes, i = [], 0
+        while i < len(v) and v[i].dtype == mx.uint32:
+            codes.append(q.Quantized(*v[i:i + 3], self.n_bits, self.group_size))
+            i += 3
+        self.codes = codes or None
+        self.win = list(v[i:]) or None
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return (str(self.offset), str(self.batch_size), str(self.n_bits),
+                str(self.group_size), str(self.window), ",".join(map(str, self.widths)))
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str, ...]) -> None:
+        self.offset, self.batch_size = int(v[0]), int(v[1])
+        self.n_bits, self.group_size, self.window = int(v[2]), int(v[3]), int(v[4])
+        self.widths = tuple(int(w) for w in v[5].split(",") if w)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (window first, then per-token codes)."""
+        n = min(self.offset, n)
+        keep = self.offset - n
+        n_codes = self.offset - self.n_window()
+        if self.win is not None:
+            w_keep = max(keep - n_codes, 0)
+            self.win = [w[:, :w_keep] for w in self.win] if w_keep else None
+        if self.codes is not None and keep < n_codes:
+            self.codes = [_slice_tokens(c, keep) for c in self.codes] if keep else None
+        self.offset = keep
+        return n
+
+
+def _slice_tokens(c: q.Quantized, n: int) -> q.Quantized:
+    return q.Quantized(c.codes[:, :n], c.scales[:, :n], c.biases[:, :n], c.bits,
+                       c.group_size)
+
+
+class XQuantCLCache(XQuantCache):
+    """XQuant-CL: anchor residual stream + quantized deltas to the previous layer."""
+
+    method = "xquant_cl"
+    default_bits = XQUANT_CL_DEFAULT_BITS
+
+    def __init__(self, config: KVCacheConfig, layer=None) -> None:
+        super().__init__(config, layer)
+        self.coordinator: XQuantCoordinator | None = self.layer.coordinator
+        self.is_anchor = self.layer.member_idx == 0
+        if self.is_anchor:
+            self.n_bits = config.xquant_anchor_bits or XQUANT_CL_ANCHOR_BITS
+
+    @classmethod
+    def validate_config(cls, config: KVCacheConfig) -> None:
+        super().validate_config(config)
+        if config.get("window", 0):
+            raise config_error(
+                "window", config.window,
+                "0 or None for xquant_cl (its deltas chain every token through all layers)",
+            )
+
+    @classmethod
+    def assign_roles(cls, layers: list, config: KVCacheConfig, model: Any) -> None:
+        coord = XQuantCoordinator()
+        coord.set_anchor(layers[0].layer_idx)
+        coord.last_layer = layers[-1].layer_idx
+        for i, info in enumerate(layers):
+            info.group_id, info.member_idx, info.group_size = 0, i, len(layers)
+            info.coordinator = coord
+
+    def bind(self, proj: Any) -> None:
+        if proj.norm is None:
+            raise ValueError(
+                f"xquant_cl: layer {self.layer.layer_idx} has no input_layernorm to tap the "
+                "residual stream"
+            )
+        super().bind(proj)
+
+    def update_x(self, x: mx.array, residual: mx.array | None,
+                 proj: Any) -> tuple[mx.array | None, mx.array | None]:
+        if residual is None:
+            raise RuntimeError(
+                f"xquant_cl layer {self.layer.layer_idx}: the block input was not tapped "
+                "(the X hook's norm tap is missing)"
+            )
+        if self.coordinator is None:
+            raise RuntimeError("xquant_cl: no XQuantCoordinator (build with KVCacheBuilder)")
+        start = self._begin(x)
+        end = self.offset
+        h = residual.astype(mx.float32)
+        if self.is_anchor:
+            self._append(h)
+            acc = q.dequantize(self.codes[0])
+            self.coordinator.publish(self.layer.layer_idx, start, end, acc)
+        else:
+            prev = self.coordinator.read(self.layer.layer_idx, start, end)
+            # Delta to the previous layer's reconstruction: its error is corrected here.
+            self._append(h - prev[:, start:])
+            acc = prev + q.dequantize(self.codes[0])
+            self.coordinator.pass_on(self.layer.layer_idx, acc)
+        if not start:
+            return None, None
+        return proj.kv([proj.norm(acc[:, :start])])
+
+    def _append(self, x: mx.array) -> None:
+        new = q.quantize(x, self.n_bits, self.group_size)
+        self.codes = [new] if self.codes is None else [q.concat([self.codes[0], new], axis=1)]
