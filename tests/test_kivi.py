@@ -1,0 +1,277 @@
+"""KIVI: config errors, flush schedule, attention, accounting, batching, mlx_lm."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import tiny_model
+
+from veloxquant_mlx import ConfigError, KVCacheBuilder, KVCacheConfig, cache_stats
+from veloxquant_mlx.cache.affine import AffineCache
+from veloxquant_mlx.cache.base import LayerInfo
+from veloxquant_mlx.cache.kivi import KIVICache
+from veloxquant_mlx.integration.mlx_lm import install_attention_routing
+from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops.attention import sdpa
+
+
+@pytest.fixture(autouse=True)
+def routing():
+    install_attention_routing()
+    yield
+
+
+def make_cache(H: int = 2, D: int = 32, **options) -> KIVICache:
+    return KIVICache(KVCacheConfig(method="kivi", **options), LayerInfo(n_kv_heads=H, head_dim=D))
+
+
+def step(cache: KIVICache, k: mx.array, v: mx.array, n_q_heads: int | None = None) -> mx.array:
+    """One forward step of a layer: store the chunk, attend over the cache."""
+    B, H, L, D = k.shape
+    queries = mx.random.normal((B, n_q_heads or 2 * H, L, D))
+    cache.update_and_fetch(k, v)
+    return cache.attend(queries, scale=D ** -0.5, mask="causal" if L > 1 else None)
+
+
+# ---------------------------------------------------------------- config
+@pytest.mark.parametrize("options, field, text", [
+    ({"bits": 3}, "bits", "[2, 4]"),
+    ({"bits": 8}, "bits", "[2, 4]"),
+    ({"group_size": 48}, "group_size", "[32, 64, 128]"),
+    ({"window": -1}, "window", "window=-1"),
+    ({"window": 0}, "window", "multiple of group_size=32"),
+    ({"window": 100}, "window", "multiple of group_size=32"),
+    ({"window": 64, "group_size": 128}, "window", "multiple of group_size=128"),
+])
+def test_bad_config_names_field_and_value(options, field, text):
+    with pytest.raises(ConfigError, match=f"KVCacheConfig.{field}=") as err:
+        KVCacheConfig(method="kivi", **options)
+    assert text in str(err.value)
+
+
+def test_group_size_must_divide_head_dim():
+    with pytest.raises(ConfigError, match="group_size=64.*head_dim=32"):
+        make_cache(D=32, group_size=64, window=128)
+
+
+def test_defaults_follow_the_paper():
+    c = make_cache()
+    assert (c.n_bits, c.group_size, c.window) == (2, 32, 128)
+    assert KVCacheConfig.from_string("kivi:bits=4,window=64").bits == 4
+
+
+# ---------------------------------------------------------------- schedule
+def test_flush_schedule_follows_reference():
+    mx.random.seed(0)
+    c = make_cache(bits=4)
+    step(c, mx.random.normal((1, 2, 300, 32)), mx.random.normal((1, 2, 300, 32)))
+    # Keys: whole blocks of R quantized, 300 % 128 = 44 left; values: last R kept.
+    assert c.qkeys.codes.shape == (1, 2, 32, 256 * 4 // 32)
+    assert c.res_keys.shape[2] == 44 and c.res_values.shape[2] == 128
+    assert c.qvalues.codes.shape[2] == 172
+    for t in range(301, 385):
+        step(c, mx.random.normal((1, 2, 1, 32)), mx.random.normal((1, 2, 1, 32)))
+        n_kr = 0 if c.res_keys is None else c.res_keys.shape[2]
+        assert n_kr == (t % 128) and c.res_values.shape[2] == 128
+        assert c.qvalues.codes.shape[2] == t - 128
+    assert c.res_keys is None and c.qkeys.scales.shape[-1] == 384 // 32
+    assert c.offset == 384
+
+
+def test_new_tokens_attended_in_full_precision_then_flushed():
+    mx.random.seed(1)
+    c = make_cache(window=32)
+    k, v = mx.random.normal((1, 2, 64, 32)), mx.random.normal((1, 2, 64, 32))
+    c.update_and_fetch(k, v)
+    # Before attention the whole chunk is in the residual (window dtype float16).
+    assert c.qkeys is None and c.res_keys.shape[2] == 64 and c.res_keys.dtype == mx.float16
+    queries = mx.random.normal((1, 4, 64, 32))
+    out = c.attend(queries, scale=32 ** -0.5, mask="causal")
+    ref = sdpa(queries, k.astype(mx.float16), v.astype(mx.float16), 32 ** -0.5, "causal")
+    assert mx.allclose(out, ref, atol=1e-4)
+    assert c.res_keys is None and c.res_values.shape[2] == 32
+    # Without attend the next update flushes what is pending first.
+    c2 = make_cache(window=32)
+    c2.update_and_fetch(k, v)
+    c2.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    assert c2.qkeys.scales.shape[-1] == 2 and c2.res_keys.shape[2] == 1
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_matches_dense_over_reconstruction(packed, monkeypatch):
+    monkeypatch.setattr(KIVICache, "use_quantized_matmul", packed)
+    mx.random.seed(2)
+    c = make_cache(window=64)
+    step(c, mx.random.normal((2, 2, 200, 32)), mx.random.normal((2, 2, 200, 32)))
+    step(c, mx.random.normal((2, 2, 1, 32)), mx.random.normal((2, 2, 1, 32)))
+    keys, values = c.dense_kv()
+    assert keys.shape == values.shape == (2, 2, 201, 32)
+    padded = mx.arange(201)[None, None, None] >= mx.array([0, 7])[:, None, None, None]
+    for L, mask in ((1, None), (5, "causal"), (1, padded)):
+        queries = mx.random.normal((2, 4, L, 32))
+        ref = sdpa(queries, keys, values, 32 ** -0.5, mask)
+        out = c._attend_split(queries, 32 ** -0.5, mask, packed)
+        assert mx.allclose(out, ref, atol=1e-4), (L, mx.abs(out - ref).max())
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_unpacked_dequantize_is_exact(bits):
+    x = mx.random.normal((2, 3, 64, 96)) * 5
+    qt = q.quantize_tokens(x.swapaxes(-1, -2), bits, 32)
+    assert mx.array_equal(q.dequantize_unpacked(qt), q.dequantize(qt))
+    assert mx.array_equal(q.dequantize_tokens(qt), q.dequantize(qt).swapaxes(-1, -2))
+
+
+def test_per_channel_keys_beat_per_token_on_outlier_channels():
+    mx.random.seed(3)
+    k = mx.random.normal((1, 2, 256, 64))
+    k = k * mx.where(mx.arange(64) % 16 == 0, 30.0, 1.0)  # a few outlier channels
+    v = mx.random.normal((1, 2, 256, 64))
+    kivi = make_cache(D=64, bits=4, window=32)
+    step(kivi, k, v)
+    aff = AffineCache(KVCacheConfig(method="affine", bits=4, group_size=32),
+                      LayerInfo(n_kv_heads=2, head_dim=64))
+    aff.update_and_fetch(k, v)
+    n_q = kivi.qkeys.scales.shape[-1] * 32
+    err_kivi = mx.abs(kivi.dense_kv()[0][:, :, :n_q] - k[:, :, :n_q]).mean().item()
+    err_aff = mx.abs(aff.dense_kv()[0][:, :, :n_q] - k[:, :, :n_q]).mean().item()
+    assert err_kivi < 0.5 * err_aff, (err_kivi, err_aff)
+    # Values are per token, like affine: the same quantization error.
+    n_vq = kivi.qvalues.codes.shape[2]
+    ev_kivi = mx.abs(kivi.dense_kv()[1][:, :, :n_vq] - v[:, :, :n_vq]).mean().item()
+    ev_aff = mx.abs(aff.dense_kv()[1][:, :, :n_vq] - v[:, :, :n_vq]).mean().item()
+    assert ev_kivi == pytest.approx(ev_aff, rel=0.05)
+
+
+def test_two_bits_error_larger_than_four():
+    mx.random.seed(4)
+    k, v = mx.random.normal((1, 2, 256, 32)), mx.random.normal((1, 2, 256, 32))
+    errs = []
+    for bits in (2, 4):
+        c = make_cache(bits=bits, window=32)
+        step(c, k, v)
+        dk, dv = c.dense_kv()
+        errs.append(mx.abs(dk - k).mean().item() + mx.abs(dv - v).mean().item())
+    assert errs[1] < 0.5 * errs[0]
+
+
+# ---------------------------------------------------------------- accounting
+@pytest.mark.parametrize("bits, limit", [(2, 0.25), (4, 0.40)])
+def test_bytes_at_2048_tokens(bits, limit):
+    mx.random.seed(5)
+    c = make_cache(H=3, D=64, bits=bits)  # SmolLM2's layer shape, R = 128
+    for _ in range(4):
+        step(c, mx.random.normal((1, 3, 512, 64)), mx.random.normal((1, 3, 512, 64)), 9)
+    ratio_prefill = c.nbytes / c.fp16_bytes()
+    for _ in range(100):
+        step(c, mx.random.normal((1, 3, 1, 64)), mx.random.normal((1, 3, 1, 64)), 9)
+    s = c.stats()
+    assert s["tokens"] == 2148
+    assert abs(s["held_bytes"] - s["accounted_bytes"]) <= 0.05 * s["accounted_bytes"]
+    assert ratio_prefill <= limit and s["ratio"] <= limit, (ratio_prefill, s)
+    # Only the residual is full precision: no full-size array is held.
+    assert all(a.size < 2148 * 3 * 64 / 4 for a in c.held_arrays()), \
+        [a.shape for a in c.held_arrays()]
+    assert c.res_values.dtype == mx.float16
+
+
+def test_window_dtype_float32_is_accounted():
+    c = make_cache(window_dtype="float32")
+    step(c, mx.random.normal((1, 2, 100, 32)), mx.random.normal((1, 2, 100, 32)))
+    assert c.res_keys.dtype == mx.float32 and c.nbytes == c.accounted_bytes() > 0
+
+
+# ---------------------------------------------------------------- protocol
+def test_not_trimmable():
+    c = make_cache()
+    assert not c.is_trimmable()
+    with pytest.raises(NotImplementedError, match="not trimmable"):
+        c.trim(1)
+
+
+def test_state_round_trip():
+    mx.random.seed(6)
+    c = make_cache(window=32)
+    step(c, mx.random.normal((1, 2, 100, 32)), mx.random.normal((1, 2, 100, 32)))
+    c2 = make_cache(window=32)
+    c2.state, c2.meta_state = c.state, c.meta_state
+    queries = mx.random.normal((1, 4, 1, 32))
+    assert mx.array_equal(c.attend(queries, 0.2), c2.attend(queries, 0.2))
+    assert c2.offset == 100 and c2.nbytes == c.nbytes
+
+
+def test_batch_matches_single_sequences():
+    model = tiny_model("llama")
+    mx.random.seed(7)
+    tokens = mx.random.randint(0, 128, (2, 150))
+    cfg = KVCacheConfig(method="kivi", window=32)
+    batched = KVCacheBuilder.for_model(model, cfg)
+    out = model(tokens[:, :100], cache=batched)
+    out = mx.concatenate([out, model(tokens[:, 100:], cache=batched)], axis=1)
+    for b in range(2):
+        single = KVCacheBuilder.for_model(model, cfg)
+        ref = model(tokens[b:b + 1, :100], cache=single)
+        ref = mx.concatenate([ref, model(tokens[b:b + 1, 100:], cache=single)], axis=1)
+        assert mx.allclose(out[b], ref[0], atol=1e-4)
+    assert cache_stats(batched)["ratio"] < 0.6
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_tiny_model_logits_close_to_dense(model_type):
+    model = tiny_model(model_type)
+    mx.random.seed(8)
+    tokens = mx.random.randint(0, 128, (1, 200))
+    ref = model(tokens, cache=make_prompt_cache(model))[:, 100:]
+    errs = {}
+    for bits in (2, 4):
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="kivi", bits=bits,
+                                                               window=32))
+        model(tokens[:, :100], cache=caches)
+        outs = [model(tokens[:, t:t + 1], cache=caches) for t in range(100, 200)]
+        errs[bits] = mx.abs(mx.concatenate(outs, axis=1) - ref).mean().item()
+    assert 0 < errs[4] < errs[2] < 0.5 * mx.abs(ref).mean().item(), errs
+
+
+def test_generate_on_tiny_model():
+    model = tiny_model("llama")
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="kivi", window=32))
+    prompt = mx.random.randint(0, 128, (80,)).tolist()
+    tokens = [t for t, _ in zip(generate_step(mx.array(prompt), model,
+                                                     prompt_cache=caches), range(40))]
+    assert len(tokens) == 40
+    # generate_step computes one or two tokens ahead of what it yields.
+    assert 80 + 39 <= caches[0].offset <= 80 + 41 and caches[0].qkeys is not None
+
+
+# ---------------------------------------------------------------- real model
+BACKGROUND = (
+    "Water is one of the most important substances on Earth. All living things need "
+    "water to survive. Plants use water to make their own food through a process called "
+    "photosynthesis. Animals drink water to stay healthy, and people use water for "
+    "drinking, cooking, cleaning, and growing crops. Most of the water on Earth is found "
+    "in the oceans, where it is too salty to drink. Only a small part of the water on "
+    "our planet is fresh water that people can use. "
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [2, 4])
+def test_real_model_france_paris(bits):
+    from veloxquant_mlx import models
+
+    model, tokenizer = models.load()
+    # About 220 prompt tokens: more than the residual R = 128, so part is quantized.
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant. Background: "
+         + BACKGROUND * 2},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="kivi", bits=bits))
+    text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=12, prompt_cache=caches)
+    assert "Paris" in text
+    assert caches[0].qkeys is not None and caches[0].qvalues is not None
+    assert cache_stats(caches)["ratio"] < 0.9

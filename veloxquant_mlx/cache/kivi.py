@@ -1,0 +1,217 @@
+"""``kivi``: KIVI, tuning-free asymmetric 2/4-bit KV-cache quantization.
+
+Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache",
+ICML 2024 (arXiv 2402.02750). Keys have a few outlier channels, so they are
+quantized per channel: each channel of each group of ``group_size`` tokens shares
+one scale and zero point. Values are quantized per token, in groups of
+``group_size`` along the head dimension. The most recent tokens stay in full
+precision (the residual of length R = ``window``), following the reference code:
+
+- keys: the residual grows until it holds R tokens and is then quantized as one
+  block (R is a multiple of ``group_size``), so 0..R-1 keys stay in full precision;
+- values: the residual always holds the last R tokens; older ones are quantized
+  one token at a time as they leave it.
+
+As in the reference, a step attends over the new tokens in full precision and
+quantizes them afterwards (at the end of ``attend``). Attention dequantizes the
+codes into a transient tensor and runs the dense kernel: on the CPU this is faster
+than attending on the packed codes with ``mx.quantized_matmul`` (both measured,
+see docs/methods/kivi.md); ``use_quantized_matmul = True`` selects the latter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import KVCacheConfig, config_error
+from ..ops import quantize as q
+from ..ops.attention import causal_mask, fit_mask
+from .base import CompressedCache, LayerInfo, require_int
+
+KIVI_BITS = (2, 4)
+DEFAULT_BITS, DEFAULT_GROUP_SIZE, DEFAULT_WINDOW = 2, 32, 128
+
+
+class KIVICache(CompressedCache):
+    """Per-channel key codes, per-token value codes, and a full-precision residual."""
+
+    method = "kivi"
+    # Attend on the packed codes (mx.quantized_matmul) instead of a dequantized transient.
+    use_quantized_matmul = False
+
+    def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
+        super().__init__(config, layer)
+        self.n_bits = config.get("bits", DEFAULT_BITS)
+        self.group_size = config.get("group_size", DEFAULT_GROUP_SIZE)
+        self.window = config.get("window", DEFAULT_WINDOW)
+        self.qkeys: q.Quantized | None = None  # [B, H, D, Tk * bits / 32], packed along tokens
+        self.qvalues: q.Quantized | None = None  # [B, H, Tv, Dv * bits / 32]
+        self.res_keys: mx.array | None = None
+        self.res_values: mx.array | None = None
+        self.compute_dtype = mx.float32
+        for name, d in (("head_dim", self.layer.head_dim), ("v_head_dim", self.layer.v_head_dim)):
+            if d % self.group_size:
+                raise config_error(
+                    "group_size", self.group_size,
+                    f"a divisor of {name}={d} of layer {self.layer.layer_idx} "
+                    f"(one of {[g for g in q.AFFINE_GROUP_SIZES if d % g == 0]})",
+                )
+
+    @classmethod
+    def validate_config(cls, config: KVCacheConfig) -> None:
+        require_int("bits", config.get("bits", DEFAULT_BITS), KIVI_BITS)
+        gs = config.get("group_size", DEFAULT_GROUP_SIZE)
+        require_int("group_size", gs, q.AFFINE_GROUP_SIZES)
+        window = config.get("window", DEFAULT_WINDOW)
+        require_int("window", window, minimum=0)
+        if window == 0 or window % gs:
+            raise config_error(
+                "window", window,
+                f"a positive multiple of group_size={gs} (KIVI quantizes the key "
+                "residual in blocks of window tokens)",
+            )
+
+    # ---- storage ----
+    def _flush(self) -> None:
+        """Quantize what has left the residual (keys: whole blocks of R; values: > R)."""
+        R = self.window
+        if self.res_keys is not None:
+            n = self.res_keys.shape[2]
+            n_q = n - n % R
+            if n_q:
+                # Quantize in float32: float16 scales are computed from exact min/max.
+                qk = q.quantize_tokens(self.res_keys[:, :, :n_q].astype(mx.float32),
+                                       self.n_bits, self.group_size)
+                self.qkeys = qk if self.qkeys is None else q.concat_packed([self.qkeys, qk])
+                self.res_keys = self.res_keys[:, :, n_q:] if n_q < n else None
+        if self.res_values is not None:
+            n = self.res_values.shape[2]
+            if n > R:
+                qv = q.quantize(self.res_values[:, :, : n - R].astype(mx.float32),
+                                self.n_bits, self.group_size)
+                self.qvalues = qv if self.qvalues is None else q.concat([self.qvalues, qv],
+                                                                        axis=2)
+                self.res_values = self.res_values[:, :, n - R:]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.check_input(keys, values)
+        self._flush()  # a previous step that did not attend leaves its tokens unflushed
+        self.batch_size = keys.shape[0]
+        self.compute_dtype = keys.dtype
+        self.offset += keys.shape[2]
+        wdt = self.window_dtype(keys.dtype)
+        k, v = keys.astype(wdt), values.astype(wdt)
+        self.res_keys = k if self.res_keys is None else mx.concatenate([self.res_keys, k], axis=2)
+        self.res_values = v if self.res_values is None else mx.concatenate(
+            [self.res_values, v], axis=2)
+        return keys, values
+
+    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+        """Transient dense keys/values: dequantized codes followed by the residual."""
+        dtype = dtype or self.compute_dtype
+        ks = [] if self.qkeys is None else [q.dequantize_tokens(self.qkeys, dtype)]
+        vs = [] if self.qvalues is None else [q.dequantize(self.qvalues, dtype)]
+        if self.res_keys is not None:
+            ks.append(self.res_keys.astype(dtype))
+        if self.res_values is not None:
+            vs.append(self.res_values.astype(dtype))
+        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+        return k, v
+
+    # ---- attention ----
+    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        out = self._attend_split(queries, scale, mask, packed=self.use_quantized_matmul)
+        self._flush()  # as the reference: the new tokens were attended in full precision
+        return out
+
+    def _attend_split(self, queries: mx.array, scale: float, mask: Any,
+                      packed: bool = False) -> mx.array:
+        """Attention over the quantized part and the residual, kept apart.
+
+        Keys are held as [D, T] codes, so ``q @ K^T`` needs no transpose; values are
+        [T, Dv]. ``packed`` multiplies on the codes with ``mx.quantized_matmul``;
+        otherwise each part is dequantized into a transient and multiplied densely.
+        """
+        B, Hq, L, D = queries.shape
+        H = self.layer.n_kv_heads
+        dt = queries.dtype
+        qr = (queries * scale).reshape(B, H, Hq // H, L, D)
+
+        def qmatmul(x: mx.array, part: q.Quantized) -> mx.array:
+            if packed:
+                return mx.quantized_matmul(
+                    x, part.codes[:, :, None], part.scales[:, :, None].astype(dt),
+                    part.biases[:, :, None].astype(dt), transpose=False,
+                    group_size=part.group_size, bits=part.bits)
+            return x @ q.dequantize_unpacked(part, dt)[:, :, None]
+
+        scores = []
+        if self.qkeys is not None:
+            scores.append(qmatmul(qr, self.qkeys))
+        if self.res_keys is not None:
+            scores.append(qr @ self.res_keys.astype(dt)[:, :, None].swapaxes(-1, -2))
+        scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
+        S = scores.shape[-1]
+        mask = fit_mask(mask, L, S)
+        if isinstance(mask, str):
+            mask = causal_mask(L, S)
+        if mask is not None:
+            if mask.ndim == 4:  # [B, Hq or 1, L, S] -> grouped [B, H, rep, L, S]
+                mask = mask.reshape(mask.shape[0], -1, 1, L, S) if mask.shape[1] == 1 \
+                    else mask.reshape(B, H, Hq // H, L, S)
+            scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ \
+                else scores + mask
+        probs = mx.softmax(scores, axis=-1, precise=True)
+        n_vq = 0 if self.qvalues is None else self.qvalues.codes.shape[2]
+        out = qmatmul(probs[..., :n_vq], self.qvalues) if n_vq else 0
+        if self.res_values is not None:
+            out = out + probs[..., n_vq:] @ self.res_values.astype(dt)[:, :, None]
+        return out.reshape(B, Hq, L, -1)
+
+    # ---- accounting ----
+    def held_arrays(self) -> list[mx.array]:
+        out = [self.res_keys, self.res_values]
+        for part in (self.qkeys, self.qvalues):
+            if part is not None:
+                out.extend(part.arrays)
+        return [a for a in out if a is not None]
+
+    def accounted_bytes(self) -> int:
+        B, H = max(self.batch_size, 1), self.layer.n_kv_heads
+        D, Dv = self.layer.head_dim, self.layer.v_head_dim
+        n_kr = 0 if self.res_keys is None else self.res_keys.shape[2]
+        n_vr = 0 if self.res_values is None else self.res_values.shape[2]
+        itemsize = self.window_dtype(self.compute_dtype).size
+        n_kq, n_vq = self.offset - n_kr, self.offset - n_vr
+        # Keys: D channels, each a row of n_kq tokens; values: n_vq tokens of Dv each.
+        key_q = D * q.quantized_bytes(n_kq, self.n_bits, self.group_size) if n_kq else 0
+        val_q = n_vq * q.quantized_bytes(Dv, self.n_bits, self.group_size)
+        return B * H * (key_q + val_q + (n_kr * D + n_vr * Dv) * itemsize)
+
+    # ---- save / restore ----
+    @property
+    def state(self):
+        arrays = [self.res_keys, self.res_values]
+        for part in (self.qkeys, self.qvalues):
+            arrays.extend(part.arrays if part is not None else [None, None, None])
+        return arrays
+
+    @state.setter
+    def state(self, v) -> None:
+        self.res_keys, self.res_values = v[0], v[1]
+        self.qkeys = None if v[2] is None else q.Quantized(*v[2:5], self.n_bits,
+                                                           self.group_size)
+        self.qvalues = None if v[5] is None else q.Quantized(*v[5:8], self.n_bits,
+                                                             self.group_size)
+
+    @property
+    def meta_state(self):
+        return (*super().meta_state, str(self.n_bits), str(self.group_size), str(self.window))
+
+    @meta_state.setter
+    def meta_state(self, v) -> None:
+        self.offset, self.batch_size = int(v[0]), int(v[1])
+        self.n_bits, self.group_size, self.window = int(v[2]), int(v[3]), int(v[4])
