@@ -1,0 +1,188 @@
+"""``snapkv``: SnapKV (Li et al., 2024, arXiv 2404.14469).
+
+Prefill runs dense (causal attention over every prompt token). When the prompt is
+complete the last ``window`` queries (the observation window) score the earlier
+prompt tokens: softmax attention summed over the window queries, averaged over
+the query heads of each KV head (GQA), pooled along the token axis (kernel
+``snapkv_kernel``, max or avg). Each KV head keeps its ``snapkv_capacity``
+best-scoring prompt tokens plus the observation window; the rest is evicted.
+Decode tokens are appended after and never evicted.
+
+When it triggers: mlx_lm feeds the prompt in multi-token chunks and then the last
+prompt token alone (``L == 1``). Compression runs at the first single-token step
+after a multi-token update, with the window queries taken from the end of the
+prefill (only a ``[B, Hq, window, D]`` slice is kept) plus that step's query.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import KVCacheConfig, config_error
+from ..ops.attention import attention_weights, sdpa
+from .base import CompressedCache, LayerInfo, require_int
+
+DEFAULT_WINDOW = 32
+POOLINGS = ("max", "avg")
+
+
+def pool_scores(scores: mx.array, kernel: int, pooling: str) -> mx.array:
+    """Stride-1 1-D pooling along the last axis, same length (padding kernel // 2).
+
+    Max pools pad with -inf; avg pools pad with zeros and divide by ``kernel``
+    (PyTorch's ``avg_pool1d`` default, as the reference code).
+    """
+    if kernel == 1:
+        return scores
+    pad = kernel // 2
+    fill = -mx.inf if pooling == "max" else 0.0
+    widths = [(0, 0)] * (scores.ndim - 1) + [(pad, pad)]
+    padded = mx.pad(scores, widths, constant_values=fill)
+    n = scores.shape[-1]
+    shifted = [padded[..., i:i + n] for i in range(kernel)]
+    if pooling == "max":
+        out = shifted[0]
+        for s in shifted[1:]:
+            out = mx.maximum(out, s)
+        return out
+    return sum(shifted[1:], shifted[0]) / kernel
+
+
+def select_tokens(weights: mx.array, n_kv_heads: int, capacity: int, kernel: int,
+                  pooling: str) -> mx.array:
+    """Indices [B, Hkv, capacity] (sorted) of the prompt tokens each KV head keeps.
+
+    ``weights``: [B, Hq, W, P] attention of the W window queries on the P prefix tokens.
+    """
+    B, Hq, _, P = weights.shape
+    votes = weights.sum(axis=2)  # [B, Hq, P]
+    # GQA: a KV head serves Hq / Hkv query heads; they vote together (mean).
+    votes = votes.reshape(B, n_kv_heads, Hq // n_kv_heads, P).mean(axis=2)
+    votes = pool_scores(votes, kernel, pooling)
+    idx = mx.argpartition(-votes, kth=capacity - 1, axis=-1)[..., :capacity]
+    return mx.sort(idx, axis=-1)  # keep the prompt order
+
+
+class SnapKVCache(CompressedCache):
+    """Top-``capacity`` prompt tokens per KV head + the observation window + decode."""
+
+    method = "snapkv"
+
+    def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
+        super().__init__(config, layer)
+        self.window = config.get("window", DEFAULT_WINDOW)
+        self.capacity = config.snapkv_capacity
+        self.kernel = config.snapkv_kernel
+        self.pooling = config.snapkv_pooling
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.obs_queries: mx.array | None = None  # last `window` prefill queries
+        self.compressed = False
+        self.evicted = 0  # prompt tokens dropped (per KV head)
+
+    @classmethod
+    def validate_config(cls, config: KVCacheConfig) -> None:
+        window = config.get("window", DEFAULT_WINDOW)
+        require_int("window", window, minimum=1)
+        require_int("snapkv_capacity", config.snapkv_capacity, minimum=1)
+        if window > config.snapkv_capacity:
+            raise config_error(
+                "window", window,
+                f"an observation window no larger than snapkv_capacity="
+                f"{config.snapkv_capacity}",
+            )
+        kernel = config.snapkv_kernel
+        require_int("snapkv_kernel", kernel, minimum=1)
+        if kernel % 2 == 0:
+            raise config_error("snapkv_kernel", kernel,
+                               "an odd integer >= 1 (the pooling keeps the length)")
+        if config.snapkv_pooling not in POOLINGS:
+            raise config_error("snapkv_pooling", config.snapkv_pooling,
+                               f"one of {list(POOLINGS)}")
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.check_input(keys, values)
+        self.batch_size = keys.shape[0]
+        wdt = self.window_dtype(keys.dtype)
+        k, v = keys.astype(wdt), values.astype(wdt)
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys = mx.concatenate([self.keys, k], axis=2)
+            self.values = mx.concatenate([self.values, v], axis=2)
+        self.offset += keys.shape[2]
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        L = queries.shape[2]
+        if not self.compressed:
+            if L == 1:
+                if self.offset > 1:
+                    self.compress(queries, scale)
+                self.compressed = True
+                self.obs_queries = None
+            else:
+                # Still in the prompt: remember the last `window` queries.
+                q = queries.astype(mx.float32)
+                if self.obs_queries is not None and L < self.window:
+                    q = mx.concatenate([self.obs_queries, q], axis=2)
+                self.obs_queries = q[:, :, -self.window:]
+        # New tokens are always the last L held ones, so "causal" aligns at the end.
+        return sdpa(queries, self.keys, self.values, scale, "causal" if L > 1 else None)
+
+    def compress(self, queries: mx.array, scale: float) -> None:
+        """Evict prompt tokens using the observation window ending at ``queries``."""
+        n = self.keys.shape[2]
+        obs = queries.astype(mx.float32)
+        if self.obs_queries is not None:
+            obs = mx.concatenate([self.obs_queries, obs], axis=2)
+        obs = obs[:, :, -self.window:]
+        W = obs.shape[2]
+        prefix = n - W
+        if prefix <= self.capacity:
+            return
+        weights = attention_weights(obs, self.keys, scale, "causal")  # [B, Hq, W, n]
+        idx = select_tokens(weights[..., :prefix], self.layer.n_kv_heads, self.capacity,
+                            self.kernel, self.pooling)[..., None]
+        keep_k = mx.take_along_axis(self.keys[:, :, :prefix], idx, axis=2)
+        keep_v = mx.take_along_axis(self.values[:, :, :prefix], idx, axis=2)
+        self.keys = mx.concatenate([keep_k, self.keys[:, :, prefix:]], axis=2)
+        self.values = mx.concatenate([keep_v, self.values[:, :, prefix:]], axis=2)
+        self.evicted = prefix - self.capacity
+        mx.eval(self.keys, self.values)  # drop the references to the full prompt
+
+    # ---- storage ----
+    def held_arrays(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values, self.obs_queries) if a is not None]
+
+    def accounted_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        B, H, n, D = self.keys.shape
+        total = B * H * n * (D + self.values.shape[3]) * self.keys.itemsize
+        if self.obs_queries is not None:
+            total += self.obs_queries.size * self.obs_queries.itemsize
+        return total
+
+    @property
+    def state(self) -> list[mx.array]:
+        return self.held_arrays()
+
+    @state.setter
+    def state(self, v: list[mx.array]) -> None:
+        self.keys, self.values = (v[0], v[1]) if v else (None, None)
+        self.obs_queries = v[2] if len(v) > 2 else None
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return (str(self.offset), str(self.batch_size), str(self.window), str(self.capacity),
+                str(self.kernel), self.pooling, str(int(self.compressed)), str(self.evicted))
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str, ...]) -> None:
+        self.offset, self.batch_size, self.window, self.capacity, self.kernel = (
+            int(x) for x in v[:5])
+        self.pooling = v[5]
+        self.compressed, self.evicted = bool(int(v[6])), int(v[7])

@@ -1,0 +1,132 @@
+"""``streaming``: StreamingLLM (Xiao et al., ICLR 2024, arXiv 2309.17453).
+
+The cache keeps the first ``streaming_sink`` tokens (attention sinks) and the most
+recent ``window`` tokens; everything in between is evicted for good. Memory is
+fixed at ``sink + window`` tokens per layer however long the generation runs.
+
+Every query attends to the sinks and to the ``window`` most recent positions up to
+and including itself. Within a prefill chunk longer than the window each query
+gets its own band (a boolean mask over sinks + previous window + chunk), so
+chunked prefill gives the same attention as decoding token by token.
+
+Positions: keys keep the RoPE of their original positions (as mlx_lm's
+``RotatingKVCache``), the paper instead assigns positions within the cache. See
+``docs/methods/streaming.md`` for why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import KVCacheConfig, config_error
+from .base import CompressedCache, LayerInfo, require_int
+
+DEFAULT_SINK = 4
+DEFAULT_WINDOW = 1020  # sink + window = 1024 tokens per layer
+
+
+class StreamingCache(CompressedCache):
+    """Attention sinks + a sliding window of recent tokens (fixed size)."""
+
+    method = "streaming"
+
+    def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
+        super().__init__(config, layer)
+        self.sink = config.streaming_sink
+        self.window = config.get("window", DEFAULT_WINDOW)
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        # The chunk being attended: keys/values of sinks + previous window + chunk and
+        # the position of the chunk's first token. Released by ``attend``.
+        self._pending: tuple[mx.array, mx.array, mx.array, int] | None = None
+
+    @classmethod
+    def validate_config(cls, config: KVCacheConfig) -> None:
+        require_int("streaming_sink", config.streaming_sink, minimum=0)
+        window = config.get("window", DEFAULT_WINDOW)
+        if isinstance(window, int) and not isinstance(window, bool) and window < 1:
+            raise config_error("window", window, "an integer >= 1 (the recent window "
+                               "includes the current token)")
+        require_int("window", window, minimum=1)
+
+    # ---- positions of the held tokens ----
+    def _held_positions(self) -> mx.array:
+        n = 0 if self.keys is None else self.keys.shape[2]
+        n_sink = min(self.sink, n)
+        recent = mx.arange(self.offset - (n - n_sink), self.offset)
+        return mx.concatenate([mx.arange(n_sink), recent])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.check_input(keys, values)
+        self.batch_size = keys.shape[0]
+        start = self.offset
+        L = keys.shape[2]
+        positions = self._held_positions()
+        if self.keys is None:
+            all_k, all_v = keys, values
+        else:
+            all_k = mx.concatenate([self.keys.astype(keys.dtype), keys], axis=2)
+            all_v = mx.concatenate([self.values.astype(values.dtype), values], axis=2)
+        positions = mx.concatenate([positions, mx.arange(start, start + L)])
+        self._pending = (all_k, all_v, positions, start)
+        self.offset += L
+        # Evict: keep the sinks and the last `window` tokens.
+        n = all_k.shape[2]
+        wdt = self.window_dtype(keys.dtype)
+        if n > self.sink + self.window:
+            keep_k = [all_k[:, :, :self.sink], all_k[:, :, n - self.window:]]
+            keep_v = [all_v[:, :, :self.sink], all_v[:, :, n - self.window:]]
+            all_k = mx.concatenate(keep_k, axis=2) if self.sink else keep_k[1]
+            all_v = mx.concatenate(keep_v, axis=2) if self.sink else keep_v[1]
+        self.keys, self.values = all_k.astype(wdt), all_v.astype(wdt)
+        return keys, values
+
+    def band_mask(self, positions: mx.array, start: int, n_queries: int) -> mx.array:
+        """[L, S] boolean: query at t sees sinks (< sink) and keys in (t - window, t]."""
+        t = mx.arange(start, start + n_queries)[:, None]
+        p = positions[None]
+        return (p <= t) & ((p < self.sink) | (p > t - self.window))
+
+    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        if self._pending is None:
+            raise RuntimeError("streaming: attend called without a preceding update_and_fetch")
+        keys, values, positions, start = self._pending
+        self._pending = None
+        L = queries.shape[2]
+        if L == 1:
+            # A single query: the held tokens are exactly what it may see.
+            keys, values = self.keys, self.values
+            band = None
+        else:
+            band = self.band_mask(positions, start, L)
+        keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                    mask=band)
+
+    # ---- storage ----
+    def held_arrays(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+    def accounted_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        B, H, n, D = self.keys.shape
+        return B * H * n * (D + self.values.shape[3]) * self.keys.itemsize
+
+    @property
+    def state(self) -> list[mx.array]:
+        return self.held_arrays()
+
+    @state.setter
+    def state(self, v: list[mx.array]) -> None:
+        self.keys, self.values = (v[0], v[1]) if v else (None, None)
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return (str(self.offset), str(self.batch_size), str(self.sink), str(self.window))
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str, ...]) -> None:
+        self.offset, self.batch_size, self.sink, self.window = (int(x) for x in v[:4])
