@@ -22,7 +22,8 @@ needs_fast = pytest.mark.skipif(not HAS_FAST, reason="no OpenBLAS/BLIS here (or 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment of a fresh process that has not been re-executed yet."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.ENV_GUARD)}
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.ENV_GUARD)
+           and not k.startswith("PYTEST_")}  # not an xdist worker of the outer run
     env.pop(blas.ENV_DISABLE, None)
     env.pop(blas.ENV_BLAS, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
