@@ -154,6 +154,29 @@ def test_retention_keeps_the_most_distant_tokens_exact():
     assert close(rk0, k0, 3e-2) and close(rk1, k1, 3e-2)
 
 
+def test_paper_rule_retains_tokens_below_the_threshold():
+    c = MiniCacheCoordinator(t=0.5, retention=0.1, rule="paper")
+    n = 12
+    k0, v0 = rand_kv(n, 0)
+    # Token 4 nearly agrees in both layers, 9 is opposite, the rest are unrelated:
+    # d_min ~ 0 (token 4), d_max ~ 1 (token 9), so only token 4 is below 0.1.
+    k1 = rand_kv(n, 7)[0]
+    k1 = mx.where((mx.arange(n) == 4)[None, None, :, None], k0 + 1e-3, k1)
+    k1 = mx.where((mx.arange(n) == 9)[None, None, :, None], -k0, k1)
+    c.publish(0, 0, k0, v0)
+    c.consume(0, 1, 0, k1, v0)
+    s = c.store(0)
+    idx = s.keys.retained_idx
+    assert idx.shape[2] >= 1 and 9 not in set(idx.reshape(-1).tolist())
+    for b in range(B):
+        for h in range(H):
+            assert 4 in set(idx[b, h].tolist())
+    # Unlike the "fraction" rule, the most distant token (9) is merged, so far off.
+    rk1 = c.reconstruct(0, 1, mx.float32)[0]
+    assert close(rk1[:, :, 4], k1[:, :, 4], 3e-2)
+    assert not close(rk1[:, :, 9], k1[:, :, 9], 0.5)
+
+
 def test_window_merges_in_blocks():
     c = MiniCacheCoordinator(window=4)
     k, v = rand_kv(10, 0)
@@ -215,6 +238,7 @@ def test_merge_range_outside_the_model_is_an_error(kwargs, field):
     (dict(minicache_start_layer=4, minicache_end_layer=4), "minicache_end_layer"),
     (dict(group_size=48), "group_size"),
     (dict(bits=4), "bits"),
+    (dict(minicache_retention="top"), "minicache_retention"),
 ])
 def test_bad_options_name_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=f"KVCacheConfig.{field}="):
@@ -291,6 +315,46 @@ def test_batch_rows_are_independent(model):
     for b in range(2):
         one = run(model, KVCacheBuilder.for_model(model, cfg), tokens[b:b + 1], 24)
         assert close(both[b], one[0], 1e-3)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_save_load_round_trip_with_merged_tokens(model, bits, tmp_path):
+    from veloxquant_mlx import load_prompt_cache, save_prompt_cache
+
+    cfg = KVCacheConfig(method="minicache", minicache_bits=bits, window=4,
+                        minicache_retention_threshold=0.2)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    tokens = mx.random.randint(0, 128, (1, 30), key=mx.random.key(6))
+    run(model, caches, tokens, 24)
+    store = caches[3].layer.coordinator.store(caches[3].layer.group_id)
+    assert store.n_merged > 0 and store.n_retained()[0] > 0
+    path = tmp_path / "mc.safetensors"
+    save_prompt_cache(path, caches)
+    # Each layer saves only its own share: the file is the held bytes, not a dense copy.
+    saved = sum(a.nbytes for a in mx.load(str(path)).values())
+    assert saved == cache_stats(caches)["held_bytes"]
+    loaded = load_prompt_cache(path, model=model)
+    new = loaded[3].layer.coordinator
+    assert new is not caches[3].layer.coordinator and new is loaded[4].layer.coordinator
+    before = store.n_merged
+    assert new.counters(loaded[3].layer.group_id) == (before, 30, 30)
+    assert [c.nbytes for c in loaded] == [c.nbytes for c in caches]
+    for tok in (5, 9, 17, 40, 2, 8):  # crosses a block merge after loading
+        a = model(mx.array([[tok]]), cache=caches)
+        b = model(mx.array([[tok]]), cache=loaded)
+        assert mx.allclose(a, b, atol=1e-5).item()
+    assert new.store(loaded[3].layer.group_id).n_merged == store.n_merged > before
+
+
+def test_loading_quantized_state_without_bits_is_an_error(model, tmp_path):
+    from veloxquant_mlx.cache.minicache_coordinator import MiniCacheCoordinator
+
+    c = MiniCacheCoordinator(bits=4, group_size=32, window=0)
+    k, v = rand_kv(4, 0)
+    c.publish(0, 0, k, v)
+    c.consume(0, 1, 0, k, v)
+    with pytest.raises(ValueError, match="minicache_bits=None"):
+        MiniCacheCoordinator().load_member_state(0, 0, c.member_state(0, 0))
 
 
 def test_unmodified_mlx_lm_generate(model):

@@ -6,7 +6,9 @@ layer keeps its own per-token magnitudes, and the most distant token pairs stay
 unmerged (retained) for both layers. The pair's storage lives in a
 ``MiniCacheCoordinator`` (one per model); this cache is the per-layer view that
 mlx_lm calls. Layers outside the range (and a last unpaired layer) keep float16
-keys/values, or affine codes when ``minicache_bits`` is set.
+keys/values, or affine codes when ``minicache_bits`` is set. Saved prompt caches
+round-trip: each layer saves its own share of the pair's store (``state``) and, on
+load, refills it into the fresh coordinator that ``assign_roles`` injected.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..ops.attention import sdpa
 from .base import CompressedCache, LayerInfo, require_int
 from .minicache_coordinator import MiniCacheCoordinator
 
+RETENTION_RULES = ("fraction", "paper")
 DEFAULT_WINDOW = 64  # block merging: measured better perplexity than merging each token
 
 
@@ -72,6 +75,7 @@ class MiniCacheCache(CompressedCache):
         # Plain storage of unpaired layers: float16 or affine codes.
         self.keys: Any = None
         self.values: Any = None
+        self._counters: tuple[int, ...] | None = None  # a loaded primary's pair counters
 
     @classmethod
     def validate_config(cls, config: KVCacheConfig) -> None:
@@ -95,6 +99,9 @@ class MiniCacheCache(CompressedCache):
             # The shared ``bits`` would be silently ignored: directions use minicache_bits.
             raise config_error("bits", config.bits,
                                "None for minicache (set minicache_bits to quantize)")
+        if config.minicache_retention not in RETENTION_RULES:
+            raise config_error("minicache_retention", config.minicache_retention,
+                               f"one of {list(RETENTION_RULES)}")
         if config.minicache_bits is not None:
             require_int("minicache_bits", config.minicache_bits, q.AFFINE_BITS)
         if config.group_size is not None:
@@ -113,6 +120,7 @@ class MiniCacheCache(CompressedCache):
             window=config.get("window", DEFAULT_WINDOW),
             bits=config.minicache_bits,
             group_size=config.get("group_size", min(64, layers[0].head_dim)),
+            rule=config.minicache_retention,
         )
         gid, i = 0, 0
         while i < len(layers):
@@ -200,14 +208,53 @@ class MiniCacheCache(CompressedCache):
         per_tok = sum(q.quantized_bytes(d, self.bits, self.group_size) for d in (D, Dv))
         return B * H * self.offset * per_tok
 
+    # ---- save / load ----
+    @classmethod
+    def from_saved(cls, config: KVCacheConfig, layer: LayerInfo, state: Any,
+                   meta_state: tuple[str, ...]) -> MiniCacheCache:
+        # ``layer.coordinator`` is the fresh one ``assign_roles`` injected on load:
+        # each member refills its own share of the pair's store into it.
+        cache = cls(config, layer)
+        cache.meta_state = meta_state
+        cache.state = state
+        return cache
+
     @property
-    def state(self) -> list[mx.array]:
-        # The arrays this layer holds (mlx_lm evaluates them after each prefill chunk).
-        return self.held_arrays()
+    def state(self) -> list:
+        # What this layer holds, nested (mlx_lm evaluates it after each prefill chunk;
+        # save_prompt_cache writes it). A pair's store is split as in ``held_arrays``.
+        if self.paired:
+            return self.layer.coordinator.member_state(self.layer.group_id,
+                                                       self.layer.member_idx)
+        return [x.arrays if isinstance(x, q.Quantized) else x
+                for x in (self.keys, self.values)]
 
     @state.setter
-    def state(self, v) -> None:
-        raise NotImplementedError(
-            "minicache caches cannot be rebuilt from saved state: a merged pair's store "
-            "is shared by two layers through the model's MiniCacheCoordinator"
-        )
+    def state(self, v: list) -> None:
+        if self.paired:
+            self.layer.coordinator.load_member_state(
+                self.layer.group_id, self.layer.member_idx, v, self._counters)
+            return
+        out = []
+        for x in v:
+            if isinstance(x, (list, tuple)):
+                if self.bits is None:
+                    raise ValueError("saved minicache keys/values are quantized but "
+                                     "minicache_bits is None")
+                x = q.Quantized(x[0], x[1], x[2], self.bits, self.group_size)
+            out.append(x)
+        self.keys, self.values = out
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        base = (str(self.offset), str(self.batch_size))
+        if self.paired and self.layer.member_idx == 0:
+            counters = self.layer.coordinator.counters(self.layer.group_id)
+            return base + tuple(str(c) for c in counters)
+        return base
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str, ...]) -> None:
+        self.offset, self.batch_size = int(v[0]), int(v[1])
+        # The primary carries the pair's counters; the partner's setter leaves them.
+        self._counters = tuple(int(c) for c in v[2:5]) if len(v) >= 5 else None

@@ -93,8 +93,10 @@ class PairStore:
 class MiniCacheCoordinator:
     """Shared merge store of one model: one ``PairStore`` per merged layer pair.
 
-    ``t``: SLERP parameter; ``retention``: fraction of each merged block's tokens
-    (per KV head) kept unmerged; ``window``: recent tokens kept unmerged (0 merges
+    ``t``: SLERP parameter; ``retention``: gamma of the retention ``rule``:
+    ``"fraction"`` keeps that fraction of each merged block's tokens (per KV head)
+    with the largest angular distance unmerged, ``"paper"`` keeps the tokens whose
+    distance is below ``d_min + (d_max - d_min) * gamma`` within the block; ``window``: recent tokens kept unmerged (0 merges
     every token as it arrives; otherwise a block is merged whenever ``2 * window``
     tokens are pending, keeping the newest ``window``); ``bits``/``group_size``:
     affine quantization of the merged directions (``bits=None``: float16).
@@ -102,9 +104,10 @@ class MiniCacheCoordinator:
 
     def __init__(self, t: float = 0.5, retention: float = 0.05, window: int = 0,
                  bits: int | None = None, group_size: int = 64,
-                 store_dtype: mx.Dtype = mx.float16) -> None:
+                 store_dtype: mx.Dtype = mx.float16, rule: str = "fraction") -> None:
         self.t = t
         self.retention = retention
+        self.rule = rule
         self.window = window
         self.bits = bits
         self.group_size = group_size
@@ -199,15 +202,31 @@ class MiniCacheCoordinator:
                 [part.direction, qd], axis=2)
         part.magnitude = [_cat(part.magnitude[0], n0.astype(dt)),
                           _cat(part.magnitude[1], n1.astype(dt))]
-        r = int(self.retention * x0.shape[2])
-        if r == 0:
+        local = self._retained(dist)
+        if local is None:
             return
-        # The r most distant tokens of each (batch, head) stay unmerged in both layers.
-        local = mx.argpartition(-dist, kth=r - 1, axis=-1)[..., :r].astype(mx.int32)
         gather = mx.broadcast_to(local[..., None], (*local.shape, x0.shape[-1]))
         part.retained = [_cat(part.retained[0], mx.take_along_axis(x0, gather, 2).astype(dt)),
                          _cat(part.retained[1], mx.take_along_axis(x1, gather, 2).astype(dt))]
         part.retained_idx = _cat(part.retained_idx, local + start)
+
+    def _retained(self, dist: mx.array) -> mx.array | None:
+        """Block positions ``[B, H, r]`` kept unmerged in both layers (None: none)."""
+        if self.rule == "fraction":
+            # The r most distant tokens of each (batch, head).
+            r = int(self.retention * dist.shape[-1])
+            return None if r == 0 else \
+                mx.argpartition(-dist, kth=r - 1, axis=-1)[..., :r].astype(mx.int32)
+        # "paper": distance below d_min + (d_max - d_min) * gamma, per (batch, head).
+        lo = mx.min(dist, axis=-1, keepdims=True)
+        hi = mx.max(dist, axis=-1, keepdims=True)
+        below = dist < lo + (hi - lo) * self.retention
+        r = int(mx.max(mx.sum(below, axis=-1)).item())
+        if r == 0:
+            return None
+        # Fixed shape: every row keeps its r nearest tokens, a superset of its own set
+        # (rows with fewer qualifying tokens keep a few extra exactly; bytes counted).
+        return mx.argpartition(dist, kth=r - 1, axis=-1)[..., :r].astype(mx.int32)
 
     # ---- reading ----
     def reconstruct(self, pair_id: int, member: int, dtype: mx.Dtype
@@ -236,6 +255,50 @@ class MiniCacheCoordinator:
             idx = mx.broadcast_to(idx[..., None], (*idx.shape, x.shape[-1]))
             x = mx.put_along_axis(x, idx, part.retained[member].astype(dtype), axis=2)
         return x
+
+    # ---- save / load ----
+    def member_state(self, pair_id: int, member: int) -> list:
+        """The arrays one member holds, as a nested list (its share of the store).
+
+        ``[keys share, values share, window]``; a share is ``[magnitude, retained]``
+        plus, for the primary, ``[direction, retained positions]`` (the direction as
+        ``[codes, scales, biases]`` when quantized); the window is ``[keys, values]``.
+        """
+        s = self.store(pair_id)
+        out = []
+        for part in (s.keys, s.values):
+            share = [part.magnitude[member], part.retained[member]]
+            if member == 0:
+                d = part.direction
+                share += [d.arrays if isinstance(d, q.Quantized) else d, part.retained_idx]
+            out.append(share)
+        p = s.pending[member]
+        out.append(None if p is None else [p[0], p[1]])
+        return out
+
+    def counters(self, pair_id: int) -> tuple[int, int, int]:
+        """``(n_merged, published_end, consumed_end)`` of a pair (saved by the primary)."""
+        s = self.store(pair_id)
+        return s.n_merged, s.published_end, s.consumed_end
+
+    def load_member_state(self, pair_id: int, member: int, state: list,
+                          counters: tuple[int, int, int] | None = None) -> None:
+        """Refill one member's share of a pair from ``member_state`` output."""
+        s = self.store(pair_id)
+        for part, share in zip((s.keys, s.values), state[:2]):
+            part.magnitude[member], part.retained[member] = share[0], share[1]
+            if member == 0:
+                d = share[2]
+                if isinstance(d, (list, tuple)):
+                    if self.bits is None:
+                        raise ValueError("saved MiniCache directions are quantized but "
+                                         "this coordinator has minicache_bits=None")
+                    d = q.Quantized(d[0], d[1], d[2], self.bits, self.group_size)
+                part.direction, part.retained_idx = d, share[3]
+        p = state[2]
+        s.pending[member] = None if p is None else (p[0], p[1])
+        if counters is not None:
+            s.n_merged, s.published_end, s.consumed_end = counters
 
     # ---- accounting ----
     def held_arrays(self, pair_id: int, member: int) -> list[mx.array]:
