@@ -74,6 +74,8 @@ class KVCacheConfig:
     minicache_retention_threshold: fraction of tokens kept unmerged (most distant
         directions).
     minicache_bits: quantize the merged directions to this many bits (``None``: float).
+    minicache_retention: ``"fraction"`` (the most distant fraction of tokens) or
+        ``"paper"`` (distance below ``d_min + (d_max - d_min) * threshold``).
 
     XQuant
     ------
@@ -93,7 +95,7 @@ class KVCacheConfig:
     xkv_rank_k: int | None = None
     xkv_rank_v: int | None = None
     xkv_energy_threshold: float = 0.95
-    xkv_block: int = 256
+    xkv_block: int = 1024
     xkv_factor_bits: int | None = None
     xkv_pre_rope: bool = True
     xkv_grouping: str = "contiguous"
@@ -109,6 +111,7 @@ class KVCacheConfig:
     minicache_t: float = 0.5
     minicache_retention_threshold: float = 0.05
     minicache_bits: int | None = None
+    minicache_retention: str = "fraction"
 
     xquant_latent: bool = True
     xquant_anchor_bits: int | None = None
