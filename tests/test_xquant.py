@@ -246,3 +246,66 @@ def test_paris_on_embedded_model(method):
     assert "Paris" in text
     st = cache_stats(caches)
     assert st["held_bytes"] < 0.5 * st["fp16_bytes"]
+
+
+# ---------------------------------------------------------------- decode path and batches
+@pytest.mark.parametrize("model_type,latent", [("llama", False), ("qwen2", False),
+                                               ("llama", True)])
+def test_factored_values_match_rematerialized(model_type, latent):
+    """``(P Z) R_v + b_v`` equals ``P (Z R_v + b_v)`` for every mask kind."""
+    kw = {"num_key_value_heads": 1} if latent else {}
+    model = tiny_model(model_type, **kw)
+    attn = model.layers[1].self_attn
+    projs = install_x_hook(model, latent=latent)
+    proj = projs[1]
+    assert proj.latent == latent
+    if model_type == "qwen2":
+        assert proj.bv is not None  # the bias path is exercised
+    H, D = attn.n_heads, 128 // attn.n_heads
+    S = 19
+    parts = proj.encode(mx.random.normal((2, S, 128), key=mx.random.key(7)))
+    keys = attn.rope(proj.keys(parts))
+    ref_v = proj.values(parts)
+    arr = mx.random.uniform(shape=(3, S), key=mx.random.key(9)) > 0.3
+    arr[:, -1] = True
+    for L, mask in ((1, None), (3, "causal"), (3, arr), (3, mx.where(arr, 0.0, -1e9))):
+        q = mx.random.normal((2, H, L, D), key=mx.random.key(8))
+        assert proj.factored_pays(H * L)
+        ref = mx.fast.scaled_dot_product_attention(q, keys, ref_v, scale=0.3, mask=mask)
+        out = proj.attend(q, keys, parts, 0.3, mask)
+        assert mx.allclose(out, ref, atol=1e-5).item(), (L, mask)
+    # Long prefill chunks rematerialize V (with one KV head the factor always pays).
+    assert proj.factored_pays(H * 512) == latent
+    uninstall_x_hook(model)
+
+
+def test_no_transient_is_left_behind(llama):
+    caches = KVCacheBuilder.for_model(llama, KVCacheConfig(method="xquant_cl", bits=4))
+    _run(llama, mx.random.randint(0, 128, (1, 12), key=mx.random.key(10)), caches, 8)
+    # Neither the projections nor the coordinator keep the residual stream around.
+    assert all(b.self_attn._xquant.residual is None for b in llama.layers)
+    assert caches[0].coordinator._x is None
+
+
+@pytest.mark.parametrize("method", ["xquant", "xquant_cl"])
+def test_batched_rows_match_single_sequences(llama, method):
+    from veloxquant_mlx.integration.batch import BatchedCache
+
+    cfg = KVCacheConfig(method=method, bits=4, group_size=32)
+    per_seq = [KVCacheBuilder.for_model(llama, cfg) for _ in range(2)]
+    batch = [BatchedCache.merge([a, b]) for a, b in zip(*per_seq)]
+    for c in batch:
+        c.prepare(lengths=[9, 4], right_padding=[0, 5])
+    tokens = mx.array([list(range(1, 10)), [3, 4, 5, 6, 0, 0, 0, 0, 0]])
+    out = llama(tokens, cache=batch)
+    for c in batch:
+        c.finalize()
+    step = llama(mx.array([[11], [12]]), cache=batch)
+    ref_a, ref_b = (KVCacheBuilder.for_model(llama, cfg) for _ in range(2))
+    a0, a1 = llama(tokens[:1], cache=ref_a), llama(mx.array([[11]]), cache=ref_a)
+    b0, b1 = llama(tokens[1:, :4], cache=ref_b), llama(mx.array([[12]]), cache=ref_b)
+    assert mx.allclose(out[0], a0[0], atol=1e-4).item()
+    assert mx.allclose(out[1, :4], b0[0], atol=1e-4).item()
+    assert mx.allclose(step[0], a1[0], atol=1e-4).item()
+    assert mx.allclose(step[1], b1[0], atol=1e-4).item()
+    assert [c.offset for c in per_seq[1]] == [5] * 4

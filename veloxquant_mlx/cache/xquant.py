@@ -117,8 +117,12 @@ class XQuantCache(CompressedCache):
         return start
 
     def update_x(self, x: mx.array, residual: mx.array | None,
-                 proj: Any) -> tuple[mx.array | None, mx.array | None]:
-        """Store the chunk's X; return pre-RoPE K and V of the tokens held before it."""
+                 proj: Any) -> list[mx.array] | None:
+        """Store the chunk's X; return the transient stored form of the earlier tokens.
+
+        That is ``proj.encode``'s form (X, or its two latents) in float32 for tokens
+        ``[0, start)``, or ``None`` when the cache was empty.
+        """
         start = self._begin(x)
         old = self._parts(mx.float32) if start else None
         new = proj.encode(x)
@@ -135,9 +139,7 @@ class XQuantCache(CompressedCache):
             ]
             win = [w[:, overflow:] for w in win]
         self.win = [w.astype(wdt) for w in win] if win[0].shape[1] else None
-        if old is None:
-            return None, None
-        return proj.kv(old)
+        return old
 
     def _parts(self, dtype: mx.Dtype) -> list[mx.array]:
         """Transient dequantized parts of every held token (codes, then window)."""
@@ -258,7 +260,7 @@ class XQuantCLCache(XQuantCache):
         super().bind(proj)
 
     def update_x(self, x: mx.array, residual: mx.array | None,
-                 proj: Any) -> tuple[mx.array | None, mx.array | None]:
+                 proj: Any) -> list[mx.array] | None:
         if residual is None:
             raise RuntimeError(
                 f"xquant_cl layer {self.layer.layer_idx}: the block input was not tapped "
@@ -280,8 +282,8 @@ class XQuantCLCache(XQuantCache):
             acc = prev + q.dequantize(self.codes[0])
             self.coordinator.pass_on(self.layer.layer_idx, acc)
         if not start:
-            return None, None
-        return proj.kv([proj.norm(acc[:, :start])])
+            return None
+        return [proj.normalize(acc[:, :start])]
 
     def _append(self, x: mx.array) -> None:
         new = q.quantize(x, self.n_bits, self.group_size)

@@ -222,6 +222,18 @@ class XProjection:
         if self.latent:
             self.uk, self.rk = _svd_factors(self.wk)
             self.uv, self.rv = _svd_factors(self.wv)
+        else:
+            self.rk, self.rv = self.wk, self.wv
+        # The value factor per KV head, [H, w, Dv], for attention that applies it after
+        # the probabilities.
+        w, out = self.rv.shape
+        self.v_dim = out // self.n_kv_heads
+        self.rv_heads = self.rv.reshape(w, self.n_kv_heads, self.v_dim).transpose(1, 0, 2)
+        self.bv_heads = None if self.bv is None else self.bv.reshape(self.n_kv_heads, 1, -1)
+        # Computed once here: left lazy, the SVD would run inside the first forward pass.
+        mx.eval(self.wk, self.wv, self.rk, self.rv, self.rv_heads,
+                *(a for a in (self.bk, self.bv) if a is not None),
+                *((self.uk, self.uv) if self.latent else ()))
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -235,19 +247,70 @@ class XProjection:
         x = x.astype(mx.float32)
         return [x @ self.uk, x @ self.uv] if self.latent else [x]
 
+    def normalize(self, h: mx.array) -> mx.array:
+        """The block's input norm of ``h``, without the residual tap."""
+        return getattr(type(self.norm), "_xquant_base", type(self.norm)).__call__(self.norm, h)
+
+    def _heads(self, y: mx.array) -> mx.array:
+        B, L, _ = y.shape
+        return y.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+
+    def keys(self, parts: list[mx.array]) -> mx.array:
+        """Pre-RoPE ``[B, n_kv_heads, S, head_dim]`` keys from ``encode``'s form."""
+        k = parts[0] @ self.rk
+        return self._heads(k if self.bk is None else k + self.bk)
+
+    def values(self, parts: list[mx.array]) -> mx.array:
+        """``[B, n_kv_heads, S, v_head_dim]`` values from ``encode``'s form."""
+        v = parts[-1] @ self.rv
+        return self._heads(v if self.bv is None else v + self.bv)
+
     def kv(self, parts: list[mx.array]) -> tuple[mx.array, mx.array]:
-        """Pre-RoPE ``[B, n_kv_heads, L, head_dim]`` keys and values from ``encode``'s form."""
-        if self.latent:
-            k, v = parts[0] @ self.rk, parts[1] @ self.rv
-        else:
-            k, v = parts[0] @ self.wk, parts[0] @ self.wv
-        if self.bk is not None:
-            k = k + self.bk
-        if self.bv is not None:
-            v = v + self.bv
-        B, L, _ = k.shape
-        return (k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3),
-                v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3))
+        """Pre-RoPE keys and values from ``encode``'s form."""
+        return self.keys(parts), self.values(parts)
+
+    def factored_pays(self, n_queries: int) -> bool:
+        """Whether ``(P Z) R_v`` costs fewer flops than ``P (Z R_v)`` for ``Z [S, w]``.
+
+        Per held token: ``n_queries * w`` against ``w * H * Dv + n_queries * Dv``.
+        True for decode steps, false for long prefill chunks.
+        """
+        w = self.rv.shape[0]
+        return n_queries * w < w * self.rv.shape[1] + n_queries * self.v_dim
+
+    def attend(self, queries: mx.array, keys: mx.array, parts: list[mx.array],
+               scale: float, mask: Any) -> mx.array:
+        """Attention of RoPE'd ``queries`` over ``keys`` and the values held in ``parts``.
+
+        Where it pays, the values are never rematerialized: the probabilities multiply
+        the stored form ``Z`` first and the small factor ``R_v`` after, and the bias
+        passes through unchanged because each row of probabilities sums to one.
+        """
+        from ..ops.attention import causal_mask, fit_mask, sdpa
+
+        B, Hq, L, D = queries.shape
+        if not self.factored_pays(Hq * L):
+            return sdpa(queries, keys, self.values(parts), scale, mask)
+        H, S = keys.shape[1], keys.shape[2]
+        rep = Hq // H
+        q = (queries.astype(mx.float32) * scale).reshape(B, H, rep * L, D)
+        scores = (q @ keys.astype(mx.float32).swapaxes(-1, -2)).reshape(B, H, rep, L, S)
+        mask = fit_mask(mask, L, S)
+        if isinstance(mask, str):
+            mask = causal_mask(L, S)
+        if mask is not None:
+            if mask.ndim == 4:  # [B, 1, L, S]: make room for the query-group axis
+                mask = mask[:, :, None]
+            if mask.dtype == mx.bool_:
+                scores = mx.where(mask, scores, -mx.inf)
+            else:
+                scores = scores + mask
+        probs = mx.softmax(scores, axis=-1, precise=True)
+        mixed = probs.reshape(B, H * rep * L, S) @ parts[-1]
+        out = mixed.reshape(B, H, rep * L, -1) @ self.rv_heads
+        if self.bv_heads is not None:
+            out = out + self.bv_heads
+        return out.reshape(B, Hq, L, -1).astype(queries.dtype)
 
 
 def _svd_factors(w: mx.array) -> tuple[mx.array, mx.array]:
@@ -257,27 +320,57 @@ def _svd_factors(w: mx.array) -> tuple[mx.array, mx.array]:
     return u[:, :r], s[:r, None] * vt[:r]
 
 
-def _x_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-    update_x = getattr(cache, "update_x", None)
-    if update_x is None:
-        return self._xquant_base.__call__(self, x, mask, cache)
-    from ..ops.attention import sdpa
+def _x_attention(attn: nn.Module, x: mx.array, residual: mx.array | None, cache: Any,
+                 mask: Any) -> mx.array:
+    """One sequence batch through an X-cache: ``[B, L, n_heads * v_head_dim]``."""
+    proj: XProjection = attn._xquant
+    B, L, _ = x.shape
+    queries = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    queries = attn.rope(queries, offset=cache.offset)
+    old = cache.update_x(x, residual, proj)  # the stored form of the earlier tokens
+    parts = proj.encode(x)  # the chunk itself attends with its exact X
+    if old is not None:
+        parts = [mx.concatenate([o, p], axis=1) for o, p in zip(old, parts)]
+    keys = attn.rope(proj.keys(parts))
+    out = proj.attend(queries, keys, parts, attn.scale, mask)
+    return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
+
+def _x_attention_batched(attn: nn.Module, x: mx.array, residual: mx.array | None,
+                         batch: Any) -> mx.array:
+    """A ``BatchedCache`` of X-caches: each row attends over its own cache.
+
+    Rows are right-padded; each gets only its real tokens (the batch cache's count)
+    and zeros at padded positions, whose outputs are never used.
+    """
+    B, L, _ = x.shape
+    real = batch._take(L)
+    outs = []
+    for i, (c, r) in enumerate(zip(batch.caches, real)):
+        out = None
+        if r:
+            res = None if residual is None else residual[i:i + 1, :r]
+            out = _x_attention(attn, x[i:i + 1, :r], res, c, "causal" if r > 1 else None)
+        if r < L:
+            width = attn.n_heads * attn._xquant.v_dim
+            pad = mx.zeros((1, L - r, width), x.dtype)
+            out = pad if out is None else mx.concatenate([out.astype(x.dtype), pad], axis=1)
+        outs.append(out)
+    return mx.concatenate(outs, axis=0)
+
+
+def _x_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    rows = getattr(cache, "caches", None)  # a BatchedCache of per-sequence caches
+    batched = bool(rows) and hasattr(rows[0], "update_x")
+    if not batched and getattr(cache, "update_x", None) is None:
+        return self._xquant_base.__call__(self, x, mask, cache)
     proj: XProjection = self._xquant
     residual, proj.residual = proj.residual, None
-    B, L, _ = x.shape
-    start = cache.offset
-    queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-    old_k, old_v = update_x(x, residual, proj)
-    keys, values = proj.kv(proj.encode(x))  # the chunk itself attends with its exact X
-    if old_k is not None:
-        keys = mx.concatenate([old_k, keys], axis=2)
-        values = mx.concatenate([old_v, values], axis=2)
-    queries = self.rope(queries, offset=start)
-    keys = self.rope(keys)
-    out = sdpa(queries, keys.astype(queries.dtype), values.astype(queries.dtype),
-               self.scale, mask)
-    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    if batched:
+        out = _x_attention_batched(self, x, residual, cache)
+    else:
+        out = _x_attention(self, x, residual, cache, mask)
+    return self.o_proj(out.astype(x.dtype))
 
 
 def _x_norm_call(self, x: mx.array) -> mx.array:
