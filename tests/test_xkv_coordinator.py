@@ -237,3 +237,39 @@ def test_shape_mismatch_with_n_tokens():
     coord = XKVCoordinator()
     with pytest.raises(ValueError, match="n_tokens = 5"):
         coord.publish_member_keys(0, 0, 0, 5, mx.zeros((S, D)))
+
+
+# ---- projection onto a held basis (extension of the page) ----
+def _partials(parts, bs):
+    return [(x @ b.T, b @ b.T) for x, b in zip(parts, bs)]
+
+
+def test_projection_is_group_least_squares_and_memoized():
+    coord = XKVCoordinator()
+    mx.random.seed(3)
+    bs = [mx.random.normal((6, D)) for _ in range(G)]
+    a_true = mx.random.normal((S, 6))
+    parts = [a_true @ b for b in bs]
+    for i, (xb, bb) in enumerate(_partials(parts, bs)):
+        assert coord.get_projection(0, 64, G) is None  # members missing
+        coord.publish_projection(0, i, 64, S, xb, bb)
+    a = coord.get_projection(0, 64, G)
+    assert mx.allclose(a, a_true, atol=1e-3).item()  # exact when X lies in the basis
+    assert all(coord.get_projection(0, 64, G) is a for _ in range(G - 1))
+    with pytest.raises(ValueError, match="already handed"):
+        coord.get_projection(0, 64, G)
+    assert coord.published_tokens(0) == S and coord.pending_bytes() == 0
+
+
+def test_projection_errors():
+    coord = XKVCoordinator(max_ctx=S)
+    xb, bb = mx.zeros((S, 4)), mx.eye(4)
+    with pytest.raises(ValueError, match="must be"):
+        coord.publish_projection(0, 0, 0, S + 1, xb, bb)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        coord.publish_projection(0, 0, 0, S, xb + mx.nan, bb)
+    coord.publish_projection(0, 0, 0, S, xb, bb)
+    with pytest.raises(ValueError, match="twice"):
+        coord.publish_projection(0, 0, 0, S, xb, bb)
+    with pytest.raises(ValueError, match="max_ctx"):
+        coord.publish_projection(0, 0, S, S, xb, bb)

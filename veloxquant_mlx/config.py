@@ -48,8 +48,9 @@ class KVCacheConfig:
     xkv_rank_k / xkv_rank_v: ranks of the key / value factors (``None``: from
         ``xkv_energy_threshold``).
     xkv_energy_threshold: fraction of squared singular mass kept when no rank is given.
-    xkv_block: tokens per jointly compressed block; tokens not yet in a complete
-        block stay in the full-precision window.
+    xkv_block: tokens of the group's basis block (one joint SVD); later tokens are
+        projected onto that basis in steps of 32; tokens not yet compressed stay in
+        the full-precision window.
     xkv_factor_bits: quantize the factors to this many bits (``None``: keep float).
     xkv_pre_rope: compress keys before RoPE (the cache undoes and re-applies it).
     xkv_grouping: ``"contiguous"`` or ``"cka"`` (layers grouped by measured similarity).

@@ -1,23 +1,27 @@
 """``xkv``: cross-layer SVD of the KV cache (xKV, Chang et al., arXiv 2503.18893).
 
-Adjacent layers are grouped (``xkv_group_size`` = G). For every complete block of
-``xkv_block`` tokens, each member publishes its keys (before RoPE by default) and
-values, ``[b, S, D]`` with D = n_kv_heads * head_dim and the per-column mean
-removed, to the model's shared ``XKVCoordinator``. One truncated SVD of the
-concatenation ``[S, G*D]`` per stream gives a token factor ``A`` [S, r] shared by
-the group and a factor ``B_i`` [r, D] per member: ``X_i ~ A @ B_i + mean_i``.
+Adjacent layers are grouped (``xkv_group_size`` = G). Each member's keys (before
+RoPE by default) and values are ``[b, S, D]`` matrices, D = n_kv_heads * head_dim.
+The group's first ``xkv_block`` tokens get one truncated SVD of the member
+concatenation ``[S, G*D]`` per stream (after per-column mean removal) through the
+model's shared ``XKVCoordinator``: a token factor ``A`` [S, r] shared by the group
+and a factor ``B_i`` [r, D] per member, ``X_i ~ A @ B_i + mean_i``.
 
-Each cache holds only its compressed form: its own member factors and means per
-block, a full-precision window of the tokens not yet compressed, and (the group
-leader, member 0, only) the shared token factors, so each is counted once per
-model. Other members read the shared factors through their link to the leader.
+Later tokens are projected onto the held member factors in steps of ``STEP``
+tokens (least squares over the whole group, solved once by the coordinator from
+per-member partials), so they cost only their shared token factor, ``r`` values
+per token per group. Each cache holds only: its member factors and means, a
+full-precision window of tokens not yet compressed, and (the group leader, member
+0, only) the shared token factors, so each is counted once per model.
 
-Timeline: mlx_lm calls layers 0..L-1 in order. When a block is complete, every
-member publishes it in the same forward pass; the block stays in every member's
-window and is moved to factors on the member's next update, when all members have
-published and the basis exists. Attention rebuilds keys and values from the
-factors into a transient tensor (keys re-rotated for their positions) and runs
-the dense kernel over them and the window.
+Timeline: mlx_lm calls layers 0..L-1 in order. When a unit (the SVD block or a
+projection step) is complete, every member publishes it in the same forward pass;
+it stays in every member's window and moves to factors on the member's next
+update, once all members have published and the shared factor exists.
+
+Attention: values in factor space (``out = (p A) B_i + (sum p) mean_i``); keys
+stored after RoPE also (``scores = (q B_i^T) A``); keys stored before RoPE are
+rebuilt into a transient tensor and rotated for their positions.
 """
 
 from __future__ import annotations
@@ -28,25 +32,26 @@ import mlx.core as mx
 
 from ..config import KVCacheConfig, config_error
 from ..ops import quantize as q
-from ..ops.attention import sdpa
+from ..ops.attention import causal_mask, fit_mask
 from ..ops.rope import rotate, unrotate
 from .base import CompressedCache, LayerInfo, require_int
 from .xkv_coordinator import XKVCoordinator
 
 FACTOR_DTYPE = mx.float16  # unquantized factors and means are stored in float16
 STREAMS = ("keys", "values")
+STEP = 32  # tokens per projection step (and quantization group of the token factor)
 
 
-def _factor_group(n: int) -> int:
-    """Quantization group along an axis of length ``n`` (64, else 32)."""
-    return 64 if n % 64 == 0 else 32
+def _member_group(d: int) -> int:
+    """Quantization group of a member factor along its width D (64, else 32)."""
+    return 64 if d % 64 == 0 else 32
 
 
-def _store(x: mx.array, bits: int | None) -> Any:
+def _store(x: mx.array, bits: int | None, group: int) -> Any:
     """Keep a factor as float16, or quantized along its last axis."""
     if bits is None:
         return x.astype(FACTOR_DTYPE)
-    return q.quantize(x.astype(mx.float32), bits, _factor_group(x.shape[-1]))
+    return q.quantize(x.astype(mx.float32), bits, group)
 
 
 def _load(x: Any) -> mx.array:
@@ -59,10 +64,19 @@ def _arrays(x: Any) -> list[mx.array]:
     return x.arrays if isinstance(x, q.Quantized) else [x]
 
 
-def _bytes(n_values: int, bits: int | None, axis_len: int) -> int:
+def _append(held: Any, part: Any) -> Any:
+    """Token factors [b, r, T] grow along their last (token) axis."""
+    if held is None:
+        return part
+    if isinstance(part, q.Quantized):
+        return q.concat_packed([held, part])
+    return mx.concatenate([held, part], axis=-1)
+
+
+def _bytes(n_values: int, bits: int | None, group: int) -> int:
     if bits is None:
         return 2 * n_values
-    return q.quantized_bytes(n_values, bits, _factor_group(axis_len))
+    return q.quantized_bytes(n_values, bits, group)
 
 
 class XKVCache(CompressedCache):
@@ -100,18 +114,22 @@ class XKVCache(CompressedCache):
         self.win_v: mx.array | None = None
         self.win_start = 0  # position of the window's first token (= tokens compressed)
         self.pending: list[tuple[int, int]] = []  # (start, n) published, not adopted
-        # Compressed blocks: start, n, and per stream (own factor, mean, rank).
-        self.blocks: list[dict[str, Any]] = []
-        # Leader only: (stream, start) -> shared token factor, stored transposed [b, r, S].
-        self.shared: dict[tuple[str, int], Any] = {}
-        # Column means of published blocks (tiny), kept until the block is adopted.
-        self.means: dict[tuple[str, int], mx.array] = {}
+        # Own member factor, mean and rank per stream, once the group's SVD is done.
+        self.basis: dict[str, tuple[Any, mx.array, int]] = {}
+        # Leader only: stream -> shared token factor of all compressed tokens [b, r, T].
+        self.shared: dict[str, Any] = {}
+        # Column means of a published, not yet adopted SVD block (tiny).
+        self.means: dict[str, mx.array] = {}
         self.compute_dtype = mx.float32
 
     # ---- configuration ----
     @classmethod
     def validate_config(cls, config: KVCacheConfig) -> None:
         require_int("xkv_group_size", config.xkv_group_size, minimum=1)
+        if config.group_size is not None:
+            # The shared quantization field is easy to mistake for the layer group size.
+            raise config_error("group_size", config.group_size,
+                               "None for xkv (layers per group: xkv_group_size)")
         require_int("xkv_block", config.xkv_block, minimum=1)
         require_int("window", config.get("window", 0), minimum=0)
         for name in ("xkv_rank_k", "xkv_rank_v"):
@@ -124,11 +142,11 @@ class XKVCache(CompressedCache):
                                    f"<= xkv_block={config.xkv_block} (tokens per SVD)")
         if config.xkv_factor_bits is not None:
             require_int("xkv_factor_bits", config.xkv_factor_bits, q.AFFINE_BITS)
-            if config.xkv_block % 32:
+            if config.xkv_block % STEP:
                 raise config_error(
                     "xkv_block", config.xkv_block,
-                    "a multiple of 32 when xkv_factor_bits is set (the token factor is "
-                    "quantized in groups along the tokens of a block)")
+                    f"a multiple of {STEP} when xkv_factor_bits is set (the token factor "
+                    f"is quantized in groups of {STEP} tokens)")
         if not isinstance(config.xkv_pre_rope, bool):
             raise config_error("xkv_pre_rope", config.xkv_pre_rope, "True or False")
         if config.xkv_grouping not in ("contiguous", "cka"):
@@ -137,23 +155,33 @@ class XKVCache(CompressedCache):
 
     @classmethod
     def assign_roles(cls, layers: list[LayerInfo], config: KVCacheConfig, model: Any) -> None:
-        if config.xkv_grouping == "cka":
-            raise NotImplementedError(
-                "KVCacheConfig.xkv_grouping='cka' is not implemented in this build; "
-                "use 'contiguous'")
         G = config.xkv_group_size
-        coordinator = XKVCoordinator(max_ctx=config.max_ctx)
         n = len(layers)
-        for i, info in enumerate(layers):
-            gid = i // G
-            info.group_id, info.member_idx = gid, i % G
-            info.group_size = min(G, n - gid * G)  # a shorter last group is fine
-            info.coordinator = coordinator
+        if config.xkv_grouping == "cka" and model is not None:
+            groups = cka_groups(model, layers, G, config.xkv_pre_rope)
+        else:
+            # Contiguous (also when loading a saved cache: the saved roles win).
+            groups = [list(range(g, min(g + G, n))) for g in range(0, n, G)]
+        coordinator = XKVCoordinator(max_ctx=config.max_ctx)
+        for gid, members in enumerate(groups):
+            for m, i in enumerate(members):
+                info = layers[i]
+                info.group_id, info.member_idx, info.group_size = gid, m, len(members)
+                info.coordinator = coordinator
 
     @classmethod
     def after_build(cls, caches: list[CompressedCache], config: KVCacheConfig,
                     model: Any) -> None:
         link_groups(caches)
+
+    @classmethod
+    def from_saved(cls, config: KVCacheConfig, layer: LayerInfo, state: Any,
+                   meta_state: tuple[str, ...]) -> XKVCache:
+        # meta_state first: it says which factors the state list holds.
+        cache = cls(config, layer)
+        cache.meta_state = meta_state
+        cache.state = state
+        return cache
 
     # ---- mlx_lm protocol ----
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -171,102 +199,165 @@ class XKVCache(CompressedCache):
         self._publish()
         return keys, values
 
+    def _matrices(self, start: int, n: int) -> dict[str, mx.array]:
+        """Window tokens ``start .. start+n`` as ``[b, n, D]`` (keys un-rotated)."""
+        info = self.layer
+        i = start - self.win_start
+        k = self.win_k[:, :, i:i + n].astype(mx.float32)
+        v = self.win_v[:, :, i:i + n].astype(mx.float32)
+        if self.pre_rope:
+            k = unrotate(k, info.rope_dims, info.rope_base, info.rope_traditional,
+                         info.rope_scale, start)
+        out = {}
+        for stream, x in (("keys", k), ("values", v)):
+            B, H, S, hd = x.shape
+            out[stream] = x.transpose(0, 2, 1, 3).reshape(B, S, H * hd)
+        return out
+
     def _publish(self) -> None:
-        """Publish every complete block beyond the kept recent ``window``."""
+        """Publish the SVD block, then every complete projection step beyond the
+        kept recent ``window``."""
         info, coord = self.layer, self.layer.coordinator
         nxt = self.win_start + sum(n for _, n in self.pending)
-        while self.offset - nxt >= self.block + self.window:
-            i = nxt - self.win_start
-            k = self.win_k[:, :, i:i + self.block].astype(mx.float32)
-            v = self.win_v[:, :, i:i + self.block].astype(mx.float32)
-            if self.pre_rope:
-                k = unrotate(k, info.rope_dims, info.rope_base, info.rope_traditional,
-                             info.rope_scale, nxt)
-            for stream, x in (("keys", k), ("values", v)):
-                B, H, S, hd = x.shape
-                x = x.transpose(0, 2, 1, 3).reshape(B, S, H * hd)
+        ready = self.offset - self.window - nxt
+        if nxt == 0:
+            if ready < self.block:
+                return
+            for stream, x in self._matrices(0, self.block).items():
                 mean = x.mean(axis=1, keepdims=True)
-                self.means[(stream, nxt)] = mean
-                coord.publish_member_keys(info.group_id, info.member_idx, nxt, S, x - mean,
-                                          stream=stream)
-            self.pending.append((nxt, self.block))
-            nxt += self.block
+                self.means[stream] = mean
+                coord.publish_member_keys(info.group_id, info.member_idx, 0, self.block,
+                                          x - mean, stream=stream)
+            self.pending.append((0, self.block))
+            return
+        if not self.basis:
+            return  # the basis is not adopted yet; project once it is
+        n = (ready // STEP) * STEP
+        if n <= 0:
+            return
+        for stream, x in self._matrices(nxt, n).items():
+            own, mean, _ = self.basis[stream]
+            b = _load(own)
+            coord.publish_projection(info.group_id, info.member_idx, nxt, n,
+                                     (x - mean.astype(mx.float32)) @ b.swapaxes(-1, -2),
+                                     b @ b.swapaxes(-1, -2), stream=stream)
+        self.pending.append((nxt, n))
 
     def _adopt(self) -> None:
-        """Move published blocks whose basis exists from the window to factors."""
+        """Move published units whose shared factor exists from the window to factors."""
         info, coord = self.layer, self.layer.coordinator
         while self.pending:
             start, n = self.pending[0]
             got = {}
             for stream in STREAMS:
-                got[stream] = coord.get_shared_basis(
-                    info.group_id, start, info.group_size, self.ranks[stream],
-                    self.config.xkv_energy_threshold, stream=stream)
+                if start == 0:
+                    got[stream] = coord.get_shared_basis(
+                        info.group_id, 0, info.group_size, self.ranks[stream],
+                        self.config.xkv_energy_threshold, stream=stream)
+                else:
+                    got[stream] = coord.get_projection(info.group_id, start,
+                                                       info.group_size, stream=stream)
                 if got[stream] is None:
                     if stream == "values":
                         raise RuntimeError(
-                            f"xkv layer {info.layer_idx}: key basis of block {start} "
-                            "ready without its value basis")
+                            f"xkv layer {info.layer_idx}: key factor of tokens {start} "
+                            "ready without its value factor")
                     return
-            record: dict[str, Any] = {"start": start, "n": n}
             for stream in STREAMS:
-                A, Bs, _ = got[stream]
+                if start == 0:
+                    A, Bs, _ = got[stream]
+                    own = Bs[info.member_idx]
+                    d = own.shape[-1]
+                    self.basis[stream] = (_store(own, self.bits, _member_group(d)),
+                                          self.means.pop(stream).astype(FACTOR_DTYPE),
+                                          own.shape[-2])
+                else:
+                    A = got[stream]
                 self.leader._share(stream, start, A)
-                own = Bs[info.member_idx]
-                record[stream] = (_store(own, self.bits),
-                                  self.means.pop((stream, start)).astype(FACTOR_DTYPE),
-                                  own.shape[-2])
-            self.blocks.append(record)
             self.pending.pop(0)
             self.win_k, self.win_v = self.win_k[:, :, n:], self.win_v[:, :, n:]
             self.win_start += n
             mx.eval(*self.held_arrays())
+        # A basis adopted just now lets tokens already in the window be projected.
+        if self.basis and not self.pending:
+            self._publish()
 
     def _share(self, stream: str, start: int, A: mx.array) -> None:
-        """Leader: keep the group's token factor once (transposed [b, r, S])."""
-        if (stream, start) not in self.shared:
-            self.shared[(stream, start)] = _store(A.swapaxes(-1, -2), self.bits)
+        """Leader: append the group's token factor once (stored transposed [b, r, S])."""
+        held = self.shared.get(stream)
+        have = 0 if held is None else self._shared_tokens(stream)
+        if start < have:
+            return  # an earlier member of the group already stored it
+        if start != have:
+            raise RuntimeError(f"xkv group {self.layer.group_id}: token factor of tokens "
+                               f"{start}.. arrived after {have} tokens")
+        self.shared[stream] = _append(held, _store(A.swapaxes(-1, -2), self.bits, STEP))
+
+    def _shared_tokens(self, stream: str) -> int:
+        f = self.shared[stream]
+        return f.scales.shape[-1] * f.group_size if isinstance(f, q.Quantized) \
+            else f.shape[-1]
 
     # ---- attention ----
-    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
-        """Transient dense keys/values: blocks rebuilt from factors, then the window."""
-        dtype = dtype or self.compute_dtype
-        info = self.layer
-        B, H = self.win_k.shape[0], info.n_kv_heads
-        parts: dict[str, list[mx.array]] = {"keys": [], "values": []}
-        for rec in self.blocks:
-            for stream in STREAMS:
-                own, mean, _ = rec[stream]
-                a = _load(self.leader.shared[(stream, rec["start"])]).swapaxes(-1, -2)
-                parts[stream].append(a @ _load(own) + mean.astype(mx.float32))
-        out = []
-        for stream, win, hd in (("keys", self.win_k, info.head_dim),
-                                ("values", self.win_v, info.v_head_dim)):
-            if not parts[stream]:
-                out.append(win.astype(dtype))
-                continue
-            x = mx.concatenate(parts[stream], axis=1) if len(parts[stream]) > 1 \
-                else parts[stream][0]
-            x = x.reshape(B, x.shape[1], H, hd).transpose(0, 2, 1, 3)
-            if stream == "keys" and self.pre_rope:
-                x = rotate(x, info.rope_dims, info.rope_base, info.rope_traditional,
-                           info.rope_scale, 0)
-            out.append(mx.concatenate([x.astype(dtype), win.astype(dtype)], axis=2))
-        return out[0], out[1]
+    def _factors(self, stream: str) -> tuple[mx.array, mx.array, mx.array]:
+        """Token factor [b, r, T] (compressed tokens only), member factor per KV head
+        [b, H, r, hd] and mean per head [b, H, 1, hd], float32."""
+        H = self.layer.n_kv_heads
+        a = _load(self.leader.shared[stream])[..., :self.win_start]
+        own, mean, _ = self.basis[stream]
+        b = _load(own)
+        bh = b.reshape(b.shape[0], b.shape[1], H, -1).transpose(0, 2, 1, 3)
+        mh = mean.astype(mx.float32).reshape(b.shape[0], 1, H, -1).transpose(0, 2, 1, 3)
+        return a, bh, mh
 
     def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
-        keys, values = self.dense_kv(mx.float32 if queries.dtype == mx.float32
-                                     else queries.dtype)
-        return sdpa(queries, keys, values, scale, mask)
+        info = self.layer
+        dtype = queries.dtype
+        B, Hq, L, hd = queries.shape
+        H = info.n_kv_heads
+        rep = Hq // H
+        qh = (queries.astype(mx.float32) * scale).reshape(B, H, rep, L, hd)
+        win_k = self.win_k.astype(mx.float32)[:, :, None]
+        win_v = self.win_v.astype(mx.float32)[:, :, None]
+        Tc = self.win_start
+        scores_w = qh @ win_k.swapaxes(-1, -2)
+        if Tc:
+            ak, bk, mk = self._factors("keys")
+            if self.pre_rope:
+                k = (ak.swapaxes(-1, -2)[:, None] @ bk + mk)  # [B, H, Tc, hd], transient
+                k = rotate(k, info.rope_dims, info.rope_base, info.rope_traditional,
+                           info.rope_scale, 0)
+                scores_c = qh @ k[:, :, None].swapaxes(-1, -2)
+            else:
+                qb = qh @ bk[:, :, None].swapaxes(-1, -2)  # [B, H, rep, L, r]
+                scores_c = qb @ ak[:, None, None] + qh @ mk[:, :, None].swapaxes(-1, -2)
+            scores = mx.concatenate([scores_c, scores_w], axis=-1)
+        else:
+            scores = scores_w
+        T = scores.shape[-1]
+        mask = fit_mask(mask, L, T)
+        if isinstance(mask, str):
+            mask = causal_mask(L, T)
+        if mask is not None:
+            if mask.dtype == mx.bool_:
+                scores = mx.where(mask, scores, -mx.inf)
+            else:
+                scores = scores + mask.astype(scores.dtype)
+        p = mx.softmax(scores, axis=-1, precise=True)
+        out = p[..., Tc:] @ win_v
+        if Tc:
+            av, bv, mv = self._factors("values")
+            pc = p[..., :Tc]
+            out = out + (pc @ av.swapaxes(-1, -2)[:, None, None]) @ bv[:, :, None] \
+                + pc.sum(axis=-1, keepdims=True) * mv[:, :, None]
+        return out.reshape(B, Hq, L, -1).astype(dtype)
 
     # ---- storage accounting ----
     def held_arrays(self) -> list[mx.array]:
         out = [a for a in (self.win_k, self.win_v) if a is not None]
-        for rec in self.blocks:
-            for stream in STREAMS:
-                own, mean, _ = rec[stream]
-                out.extend(_arrays(own))
-                out.append(mean)
+        for own, mean, _ in self.basis.values():
+            out.extend(_arrays(own))
+            out.append(mean)
         for factor in self.shared.values():
             out.extend(_arrays(factor))
         out.extend(self.means.values())
@@ -277,30 +368,26 @@ class XKVCache(CompressedCache):
         total = 0
         if self.win_k is not None:
             total += self.win_k.nbytes + self.win_v.nbytes
-        for rec in self.blocks:
-            for stream, d in (("keys", self.d_k), ("values", self.d_v)):
-                r = rec[stream][2]
-                total += _bytes(b * r * d, self.bits, d) + 2 * b * d
-        for stream, start in self.shared:
-            r = self._shared_rank(stream, start)
-            total += _bytes(b * r * self.block, self.bits, self.block)
+        for stream, d in (("keys", self.d_k), ("values", self.d_v)):
+            if stream in self.basis:
+                r = self.basis[stream][2]
+                total += _bytes(b * r * d, self.bits, _member_group(d)) + 2 * b * d
+            if stream in self.shared:
+                r = self.leader.basis[stream][2]
+                total += _bytes(b * r * self._shared_tokens(stream), self.bits, STEP)
         return total + sum(m.nbytes for m in self.means.values())
-
-    def _shared_rank(self, stream: str, start: int) -> int:
-        f = self.shared[(stream, start)]
-        return (f.scales if isinstance(f, q.Quantized) else f).shape[-2]
 
     # ---- save / load ----
     @property
     def state(self):
         arrays: list[Any] = [self.win_k, self.win_v]
-        for rec in self.blocks:
-            for stream in STREAMS:
-                own, mean, _ = rec[stream]
+        for stream in STREAMS:
+            if stream in self.basis:
+                own, mean, _ = self.basis[stream]
                 arrays.extend(_arrays(own))
                 arrays.append(mean)
-        for key in sorted(self.shared):
-            arrays.extend(_arrays(self.shared[key]))
+            if stream in self.shared:
+                arrays.extend(_arrays(self.shared[stream]))
         return arrays
 
     @state.setter
@@ -308,45 +395,84 @@ class XKVCache(CompressedCache):
         v = list(v)
         self.win_k, self.win_v = v[0], v[1]
         i = 2
-        width = 1 if self.bits is None else 3
 
-        def take():
+        def take(group):
             nonlocal i
-            part = v[i:i + width]
-            i += width
             if self.bits is None:
-                return part[0]
-            return q.Quantized(*part, self.bits, _factor_group(
-                part[0].shape[-1] * 32 // self.bits))
-
-        for rec in self.blocks:
-            for stream in STREAMS:
-                own = take()
-                mean = v[i]
                 i += 1
-                rec[stream] = (own, mean, rec[stream][2])
-        for key in sorted(self.shared):
-            self.shared[key] = take()
+                return v[i - 1]
+            i += 3
+            return q.Quantized(*v[i - 3:i], self.bits, group)
+
+        for stream, d in (("keys", self.d_k), ("values", self.d_v)):
+            if stream in self.basis:
+                own = take(_member_group(d))
+                self.basis[stream] = (own, v[i], self.basis[stream][2])
+                i += 1
+            if stream in self.shared:
+                self.shared[stream] = take(STEP)
 
     @property
     def meta_state(self):
-        blocks = ";".join(f"{r['start']}:{r['n']}:{r['keys'][2]}:{r['values'][2]}"
-                          for r in self.blocks)
-        shared = ";".join(f"{s}:{t}" for s, t in sorted(self.shared))
-        return (*super().meta_state, str(self.win_start), blocks, shared)
+        ranks = ";".join(f"{s}:{self.basis[s][2]}" for s in STREAMS if s in self.basis)
+        shared = ";".join(s for s in STREAMS if s in self.shared)
+        return (*super().meta_state, str(self.win_start), ranks, shared)
 
     @meta_state.setter
     def meta_state(self, v) -> None:
         self.offset, self.batch_size, self.win_start = int(v[0]), int(v[1]), int(v[2])
-        self.blocks = []
+        # Units published but not adopted are published again to the fresh coordinator.
+        self.pending, self.means = [], {}
+        self.basis = {}
         for item in filter(None, v[3].split(";")):
-            start, n, rk, rv = (int(x) for x in item.split(":"))
-            self.blocks.append({"start": start, "n": n, "keys": (None, None, rk),
-                                "values": (None, None, rv)})
-        self.shared = {}
-        for item in filter(None, v[4].split(";")):
-            stream, start = item.split(":")
-            self.shared[(stream, int(start))] = None
+            stream, r = item.split(":")
+            self.basis[stream] = (None, None, int(r))
+        self.shared = {s: None for s in filter(None, v[4].split(";"))}
+
+
+def linear_cka(x: mx.array, y: mx.array) -> float:
+    """Linear CKA of two ``[S, D]`` activations (1 = same up to rotation and scale)."""
+    x = x - x.mean(axis=0)
+    y = y - y.mean(axis=0)
+    num = (y.T @ x).square().sum()
+    den = mx.sqrt((x.T @ x).square().sum() * (y.T @ y).square().sum())
+    return (num / mx.maximum(den, 1e-30)).item()
+
+
+def cka_groups(model: Any, layers: list[LayerInfo], G: int, pre_rope: bool = True,
+               n_tokens: int = 256, seed: int = 0) -> list[list[int]]:
+    """Groups of ``G`` layers (indices into ``layers``) by the CKA similarity of their
+    keys on a calibration prompt run through a dense cache.
+
+    The prompt is ``n_tokens`` pseudo-random token ids (fixed seed; no tokenizer is
+    at hand when caches are built). Greedy: the first layer not yet grouped seeds a
+    group and takes the ``G - 1`` ungrouped layers most similar to it. Groups need
+    not be contiguous; members are ordered by layer index (the leader is the first).
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    vocab = getattr(getattr(model, "args", None), "vocab_size", 256)
+    tokens = mx.random.randint(0, vocab, (1, n_tokens), key=mx.random.key(seed))
+    caches = make_prompt_cache(model)
+    model(tokens, cache=caches)
+    feats = []
+    for info in layers:
+        k = caches[info.layer_idx].keys[..., :n_tokens, :].astype(mx.float32)
+        if pre_rope and info.rope_dims is not None:
+            k = unrotate(k, info.rope_dims, info.rope_base, info.rope_traditional,
+                         info.rope_scale, 0)
+        feats.append(k[0].transpose(1, 0, 2).reshape(n_tokens, -1))
+    n = len(layers)
+    sim = [[linear_cka(feats[i], feats[j]) if i != j else 1.0 for j in range(n)]
+           for i in range(n)]
+    free = list(range(n))
+    groups = []
+    while free:
+        seed_layer = free.pop(0)
+        best = sorted(free, key=lambda j: -sim[seed_layer][j])[:G - 1]
+        free = [j for j in free if j not in best]
+        groups.append(sorted([seed_layer, *best]))
+    return groups
 
 
 def link_groups(caches: list[CompressedCache]) -> None:

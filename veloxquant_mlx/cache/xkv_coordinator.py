@@ -22,6 +22,14 @@ Values travel through the same coordinator under a second namespace: the keyword
 key, so keys and values get separate SVDs with separate ranks. ``published_tokens``
 counts the leader's (member 0) tokens of the ``"keys"`` stream.
 
+Projection onto a held basis (an extension of the page): after a group's first
+block, later tokens are not given a new SVD; they are projected onto the member
+factors the group already holds. Member ``i`` publishes the partial products
+``P_i = X_i B_i^T`` [S, r] and ``Q_i = B_i B_i^T`` [r, r]
+(``publish_projection``); the call of ``get_projection`` that sees the last
+member solves the least-squares token factor ``A = (sum P_i) (sum Q_i)^-1`` once
+and memoizes it like a basis. Only these small partials cross layers.
+
 Memory: raw member matrices are dropped as soon as the SVD has consumed them, and
 the memoized triple is dropped once it has been handed out ``expected_members``
 times (every member has its copy by then); asking again after that is an error.
@@ -62,6 +70,8 @@ class XKVCoordinator:
         # (stream, group_id, token_start) -> [triple, times handed out]
         self._bases: dict[tuple, list] = {}
         self._done: set[tuple] = set()
+        # ("proj", stream, group_id, token_start) -> {"n": n, "members": {idx: (P, Q)}}
+        self._proj: dict[tuple, dict] = {}
         self._published: dict[int, int] = {}
         self.svd_calls = 0
 
@@ -187,6 +197,70 @@ class XKVCoordinator:
             self._done.add(key)
         return slot[0]
 
+    def publish_projection(self, group_id: int, member_idx: int, token_start: int,
+                           n_tokens: int, xb: mx.array, bb: mx.array, *,
+                           stream: str = "keys") -> None:
+        """A member publishes ``xb = X_i B_i^T`` [.., S, r] and ``bb = B_i B_i^T``
+        [.., r, r] for tokens projected onto the group's held basis."""
+        if stream not in STREAMS:
+            raise ValueError(f"stream={stream!r} is not one of {list(STREAMS)}")
+        if xb.shape[-2] != n_tokens or bb.shape[-1] != xb.shape[-1]:
+            raise ValueError(
+                f"group {group_id} member {member_idx}: projection shapes "
+                f"{tuple(xb.shape)} / {tuple(bb.shape)} must be [.., S={n_tokens}, r] / "
+                "[.., r, r]")
+        if not bool(mx.all(mx.isfinite(xb)).item()):
+            raise ValueError(
+                f"group {group_id} member {member_idx} published {stream} with NaN or Inf "
+                f"values for tokens {token_start}..{token_start + n_tokens - 1}")
+        key = ("proj", stream, group_id, token_start)
+        if key in self._bases or key in self._done:
+            raise ValueError(
+                f"group {group_id} {stream} projection at token_start={token_start}: "
+                f"already solved; member {member_idx} published too late")
+        entry = self._proj.setdefault(key, {"n": n_tokens, "members": {}})
+        if entry["n"] != n_tokens or member_idx in entry["members"]:
+            raise ValueError(
+                f"group {group_id} member {member_idx}: projection at token_start="
+                f"{token_start} published twice or with n_tokens={n_tokens} != "
+                f"{entry['n']}")
+        if member_idx == 0 and stream == "keys":
+            total = self._published.get(group_id, 0) + n_tokens
+            if total > self._max_ctx:
+                raise ValueError(
+                    f"group {group_id}: publishing {n_tokens} tokens at token_start="
+                    f"{token_start} brings it to {total} tokens, over the budget "
+                    f"max_ctx={self._max_ctx} (raise KVCacheConfig.max_ctx)")
+            self._published[group_id] = total
+        entry["members"][member_idx] = (xb, bb)
+
+    def get_projection(self, group_id: int, token_start: int, expected_members: int, *,
+                       stream: str = "keys") -> mx.array | None:
+        """The shared token factor [.., S, r] of projected tokens once every member
+        has published its partials; ``None`` while members are missing."""
+        key = ("proj", stream, group_id, token_start)
+        if key in self._bases:
+            return self._hand_out(key, expected_members)
+        if key in self._done:
+            raise ValueError(
+                f"group {group_id} {stream} projection at token_start={token_start}: "
+                f"already handed to all {expected_members} members")
+        entry = self._proj.get(key)
+        if entry is None or len(entry["members"]) < expected_members:
+            return None
+        parts = [entry["members"][i] for i in range(expected_members)]
+        xb = sum(p[0].astype(mx.float32) for p in parts)
+        bb = sum(p[1].astype(mx.float32) for p in parts)
+        # A tiny ridge keeps the solve stable when some factor rows are ~0.
+        r = bb.shape[-1]
+        bb = bb + (1e-6 * mx.trace(bb, axis1=-2, axis2=-1)[..., None, None] / r + 1e-12) \
+            * mx.eye(r)
+        a = mx.linalg.solve(bb, xb.swapaxes(-1, -2), stream=mx.cpu).swapaxes(-1, -2)
+        mx.eval(a)
+        del self._proj[key]
+        self._bases[key] = [a, 0]
+        return self._hand_out(key, expected_members)
+
     def published_tokens(self, group_id: int) -> int:
         """Total tokens the leader (member 0) of ``group_id`` has published."""
         return self._published.get(group_id, 0)
@@ -194,5 +268,8 @@ class XKVCoordinator:
     def pending_bytes(self) -> int:
         """Bytes of raw member matrices and memoized bases not yet handed out."""
         total = sum(a.nbytes for e in self._pending.values() for a in e["members"].values())
-        total += sum(a.nbytes for t, _ in self._bases.values() for a in t)
+        total += sum(a.nbytes for e in self._proj.values() for p in e["members"].values()
+                     for a in p)
+        for t, _ in self._bases.values():
+            total += sum(a.nbytes for a in (t if isinstance(t, tuple) else (t,)))
         return total
