@@ -8,6 +8,7 @@ from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.cache import LayerInfo
 from veloxquant_mlx.cache.affine import AffineCache
 from veloxquant_mlx.integration.mlx_lm import install_attention_routing
+from veloxquant_mlx.ops import quantize as qz
 
 install_attention_routing()
 
@@ -57,10 +58,11 @@ def test_held_bytes_match_accounting_and_4bit_ratio_at_1024_tokens():
     assert s["ratio"] <= 0.30
 
 
-def test_attention_matches_dense_at_8_bits():
+@pytest.mark.parametrize("group_size", [32, 64])  # dequantized / scales folded in
+def test_attention_matches_dense_at_8_bits(group_size):
     k, v = _kv(40)
     q = mx.random.normal((1, 9, 40, 64), key=mx.random.key(5))
-    c = _cache(bits=8, group_size=32)
+    c = _cache(bits=8, group_size=group_size)
     c.update_and_fetch(k, v)
     out = c.attend(q, scale=0.125, mask="causal")
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
@@ -111,3 +113,56 @@ def test_non_finite_prompt_chunk_is_rejected():
     with pytest.raises(ValueError, match="NaN or Inf"):
         c.update_and_fetch(k, v * mx.inf)
     assert c.offset == 0
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_code_values_rebuild_the_dequantized_array(bits):
+    k, _ = _kv(20)
+    part = qz.quantize(k, bits, 64)
+    codes = qz.code_values(part)
+    assert codes.min().item() >= 0 and codes.max().item() <= 2 ** bits - 1
+    rebuilt = codes * part.scales.astype(mx.float32) + part.biases.astype(mx.float32)
+    assert mx.allclose(rebuilt, qz.dequantize(part), atol=1e-5).item()
+    with pytest.raises(ValueError, match="bits dividing 32"):
+        qz.code_values(qz.quantize(k, 3, 64))
+
+
+@pytest.mark.parametrize("bits,group_size,window", [(4, 64, 0), (4, 32, 5), (8, 64, 3)])
+def test_decode_steps_write_in_place_and_match_one_shot(bits, group_size, window):
+    k, v = _kv(300)
+    qs = mx.random.normal((1, 9, 300, 64), key=mx.random.key(7))
+    one = _cache(bits=bits, group_size=group_size, window=window, window_dtype="float32")
+    one.update_and_fetch(k, v)
+    c = _cache(bits=bits, group_size=group_size, window=window, window_dtype="float32")
+    c.update_and_fetch(k[:, :, :200], v[:, :, :200])
+    slots = c.kbuf[0].shape[2]
+    for i in range(200, 300):
+        c.update_and_fetch(k[:, :, i:i + 1], v[:, :, i:i + 1])
+        out = c.attend(qs[:, :, i:i + 1], scale=0.125)
+    # The buffer grew only a few times (not per step) and keeps a small reserve.
+    assert c.kbuf[0].shape[2] > slots and c.kbuf[0].shape[2] - c.n_q <= c.n_q // 32 + 1
+    s = c.stats()
+    assert s["held_bytes"] == s["accounted_bytes"]
+    assert mx.array_equal(c.qkeys.codes, one.qkeys.codes).item()
+    ref = one.attend(qs[:, :, 299:300], scale=0.125)
+    assert mx.abs(out - ref).max().item() < 1e-5
+    # Trimming into the codes releases the reserve.
+    c.trim(c.offset - 100)
+    assert c.kbuf[0].shape[2] == c.n_q == 100
+
+
+@pytest.mark.slow
+def test_generate_on_embedded_model():
+    import mlx_lm
+
+    from veloxquant_mlx import cache_stats, models
+
+    model, tokenizer = models.load()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="affine", bits=8))
+    out = mlx_lm.generate(model, tokenizer, prompt=prompt, max_tokens=20,
+                          prompt_cache=caches)
+    assert "Paris" in out
+    s = cache_stats(caches)
+    assert s["held_bytes"] == s["accounted_bytes"] and s["ratio"] < 0.6

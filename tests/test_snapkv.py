@@ -96,7 +96,10 @@ def test_eviction_is_real_and_decode_tokens_are_appended():
     assert c.compressed and c.obs_queries is None
     assert c.keys.shape[2] == 32 + 8 + 12 and s["tokens"] == 140
     assert s["held_bytes"] == s["accounted_bytes"] < before
-    assert s["held_bytes"] == 1 * 2 * 52 * 32 * 2
+    # Decode steps write into a buffer with a reserve of at most 1/32 of the tokens.
+    slots = c.kbuf.shape[2]
+    assert 52 <= slots <= 52 + 52 // 32 + 1
+    assert s["held_bytes"] == 1 * 2 * slots * 32 * 2
     assert c.evicted == 127 + 1 - 8 - 32
 
 

@@ -42,7 +42,8 @@ def _run(cache, q, k, v, chunks):
     return mx.concatenate(outs, axis=2)
 
 
-@pytest.mark.parametrize("chunks", [[60], [25, 25, 10], [20] + [1] * 40, [1] * 60])
+@pytest.mark.parametrize("chunks", [[60], [25, 25, 10], [20] + [1] * 40, [1] * 60,
+                                    [10] + [1] * 23 + [20, 1, 6]])
 def test_attention_matches_sinks_plus_band_reference_for_any_chunking(chunks):
     q, k, v = _kv(60)
     out = _run(_cache(streaming_sink=3, window=12), q, k, v, chunks)
@@ -79,8 +80,9 @@ def test_held_bytes_stop_growing_and_match_accounting():
     assert s["tokens"] == 200 and s["held_bytes"] == s["accounted_bytes"]
     assert s["ratio"] == pytest.approx(32 / 200)
     # The sinks are the first tokens, the rest the most recent ones.
-    assert mx.array_equal(c.keys[:, :, :4], k[:, :, :4].astype(mx.float16)).item()
-    assert mx.array_equal(c.keys[:, :, 4:], k[:, :, -28:].astype(mx.float16)).item()
+    held_k = c.state[0]  # in time order (the window part is a ring buffer)
+    assert mx.array_equal(held_k[:, :, :4], k[:, :, :4].astype(mx.float16)).item()
+    assert mx.array_equal(held_k[:, :, 4:], k[:, :, -28:].astype(mx.float16)).item()
 
 
 def test_batch_of_two_gives_each_row_its_own_result():
@@ -119,13 +121,28 @@ def test_not_trimmable():
 
 
 def test_state_round_trip():
-    q, k, v = _kv(50)
+    q, k, v = _kv(60)
     c = _cache(streaming_sink=2, window=10)
     _run(c, q, k, v, [50])
     d = StreamingCache.from_state(c.state)
     d.meta_state = c.meta_state
     assert d.offset == 50 and d.sink == 2 and d.window == 10
     assert mx.array_equal(d.keys, c.keys).item()
+    # After ring steps the saved state is in time order and the loaded cache continues
+    # exactly like the original one.
+    for i in range(50, 57):
+        c.update_and_fetch(k[:, :, i:i + 1], v[:, :, i:i + 1])
+        c.attend(q[:, :, i:i + 1], scale=0.25)
+    d = StreamingCache.from_state(c.state)
+    d.meta_state = c.meta_state
+    d.config, d.layer = c.config, c.layer
+    assert c.ring == 7 and d.ring == 0
+    assert mx.array_equal(d.keys[:, :, 2:], k[:, :, 47:57]).item()
+    c.update_and_fetch(k[:, :, 57:60], v[:, :, 57:60])
+    d.update_and_fetch(k[:, :, 57:60], v[:, :, 57:60])
+    a = c.attend(q[:, :, 57:60], scale=0.25)
+    b = d.attend(q[:, :, 57:60], scale=0.25)
+    assert mx.array_equal(a, b).item()
 
 
 @pytest.mark.parametrize("opts,match", [

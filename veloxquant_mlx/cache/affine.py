@@ -3,19 +3,29 @@
 Each token's key and value vectors are quantized in groups of ``group_size``
 along the head dimension (per-token groups, as mlx_lm's ``QuantizedKVCache``).
 An optional window of the most recent ``window`` tokens stays in full precision;
-tokens leaving the window are quantized. Attention dequantizes the codes into a
-transient tensor and runs the dense kernel: on the CPU this is faster than MLX's
-quantized matmul, which has no BLAS path.
+tokens leaving the window are quantized.
+
+Decode speed: codes, scales and biases live in buffers written in place (a step of
+1/32 of the tokens held, counted in ``accounted_bytes``), and attention runs on the
+quantized part and the window separately, joined only at the scores (see
+``ops.attention.split_attention``). See ``docs/methods/affine.md``.
 """
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 import mlx.core as mx
 
 from ..config import KVCacheConfig, config_error
 from ..ops import quantize as q
-from ..ops.attention import sdpa
+from ..ops.attention import split_attention
 from .base import CompressedCache, require_int
+
+
+def reserve(n: int) -> int:
+    """Spare token slots added when a buffer grows to ``n`` tokens (~3%)."""
+    return n // 32
 
 
 class AffineCache(CompressedCache):
@@ -23,14 +33,19 @@ class AffineCache(CompressedCache):
 
     method = "affine"
     compute_dtype = mx.float32
+    # Multiply on the packed codes (``mx.quantized_matmul``) instead of dequantizing
+    # into a transient first; see the measurements in docs/methods/affine.md.
+    use_quantized_matmul: ClassVar[bool] = False
 
     def __init__(self, config: KVCacheConfig, layer=None) -> None:
         super().__init__(config, layer)
         self.n_bits = config.get("bits", 4)
         self.group_size = config.get("group_size", 64)
         self.window = config.get("window", 0)
-        self.qkeys: q.Quantized | None = None
-        self.qvalues: q.Quantized | None = None
+        # [codes, scales, biases] buffers of keys and values; the first n_q slots are used.
+        self.kbuf: list[mx.array] | None = None
+        self.vbuf: list[mx.array] | None = None
+        self.n_q = 0
         self.win_keys: mx.array | None = None
         self.win_values: mx.array | None = None
         for d in (self.layer.head_dim, self.layer.v_head_dim):
@@ -47,38 +62,69 @@ class AffineCache(CompressedCache):
         require_int("group_size", config.get("group_size", 64), q.AFFINE_GROUP_SIZES)
         require_int("window", config.get("window", 0), minimum=0)
 
+    # ---- the quantized part ----
+    def _part(self, buf: list[mx.array] | None) -> q.Quantized | None:
+        if buf is None or self.n_q == 0:
+            return None
+        if buf[0].shape[2] != self.n_q:
+            buf = [a[:, :, :self.n_q] for a in buf]
+        return q.Quantized(*buf, self.n_bits, self.group_size)
+
+    @property
+    def qkeys(self) -> q.Quantized | None:
+        return self._part(self.kbuf)
+
+    @property
+    def qvalues(self) -> q.Quantized | None:
+        return self._part(self.vbuf)
+
+    def _append_codes(self, k: mx.array, v: mx.array) -> None:
+        qk = q.quantize(k, self.n_bits, self.group_size)
+        qv = q.quantize(v, self.n_bits, self.group_size)
+        n, L = self.n_q, k.shape[2]
+        if self.kbuf is None or n + L > self.kbuf[0].shape[2]:
+            # Grow with a small reserve so decode steps write in place, not concatenate.
+            spare = reserve(n + L)
+            self.kbuf, self.vbuf = (
+                [_grown(b, new, n, spare) for b, new in
+                 zip(buf or [None] * 3, part.arrays)]
+                for buf, part in ((self.kbuf, qk), (self.vbuf, qv))
+            )
+        else:
+            for buf, part in ((self.kbuf, qk), (self.vbuf, qv)):
+                for i, new in enumerate(part.arrays):
+                    buf[i][:, :, n:n + L] = new
+        self.n_q = n + L
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.check_input(keys, values)
         self.batch_size = keys.shape[0]
         self.compute_dtype = keys.dtype
         self.offset += keys.shape[2]
+        if self.window == 0:
+            self._append_codes(keys, values)
+            return keys, values
         wdt = self.window_dtype(keys.dtype)
         if self.win_keys is None:
             wk, wv = keys, values
         else:
+            # The window is small (``window`` tokens): joining it is cheap.
             wk = mx.concatenate([self.win_keys, keys.astype(wdt)], axis=2)
             wv = mx.concatenate([self.win_values, values.astype(wdt)], axis=2)
         overflow = wk.shape[2] - self.window
         if overflow > 0:
             # Quantize from the incoming precision where possible (no fp16 round trip).
-            old_k = wk[:, :, :overflow].astype(keys.dtype)
-            old_v = wv[:, :, :overflow].astype(values.dtype)
-            qk = q.quantize(old_k, self.n_bits, self.group_size)
-            qv = q.quantize(old_v, self.n_bits, self.group_size)
-            self.qkeys = qk if self.qkeys is None else q.concat([self.qkeys, qk], axis=2)
-            self.qvalues = qv if self.qvalues is None else q.concat([self.qvalues, qv], axis=2)
+            self._append_codes(wk[:, :, :overflow].astype(keys.dtype),
+                               wv[:, :, :overflow].astype(values.dtype))
             wk, wv = wk[:, :, overflow:], wv[:, :, overflow:]
-        if wk.shape[2]:
-            self.win_keys, self.win_values = wk.astype(wdt), wv.astype(wdt)
-        else:
-            self.win_keys = self.win_values = None
+        self.win_keys, self.win_values = wk.astype(wdt), wv.astype(wdt)
         return keys, values
 
     def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
         """Transient dense keys/values (dequantized codes followed by the window)."""
         dtype = dtype or self.compute_dtype
         ks, vs = [], []
-        if self.qkeys is not None:
+        if self.n_q:
             ks.append(q.dequantize(self.qkeys, dtype))
             vs.append(q.dequantize(self.qvalues, dtype))
         if self.win_keys is not None:
@@ -88,26 +134,28 @@ class AffineCache(CompressedCache):
             return ks[0], vs[0]
         return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
 
-    def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
-        keys, values = self.dense_kv(queries.dtype)
-        return sdpa(queries, keys, values, scale, mask)
+    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        parts = []
+        if self.n_q:
+            parts.append((self.qkeys, self.qvalues))
+        if self.win_keys is not None:
+            parts.append((self.win_keys, self.win_values))
+        return split_attention(queries, parts, scale, mask, self.use_quantized_matmul)
 
+    # ---- storage ----
     def held_arrays(self) -> list[mx.array]:
-        out = [self.win_keys, self.win_values]
-        for part in (self.qkeys, self.qvalues):
-            if part is not None:
-                out.extend(part.arrays)
+        out = [self.win_keys, self.win_values, *(self.kbuf or []), *(self.vbuf or [])]
         return [a for a in out if a is not None]
 
     def accounted_bytes(self) -> int:
         B, H = max(self.batch_size, 1), self.layer.n_kv_heads
         n_win = 0 if self.win_keys is None else self.win_keys.shape[2]
-        n_q = self.offset - n_win
+        slots = 0 if self.kbuf is None else self.kbuf[0].shape[2]  # tokens + reserve
         per_tok_q = sum(q.quantized_bytes(d, self.n_bits, self.group_size)
                         for d in (self.layer.head_dim, self.layer.v_head_dim))
         itemsize = 2 if self.win_keys is None else self.win_keys.itemsize
         per_tok_w = (self.layer.head_dim + self.layer.v_head_dim) * itemsize
-        return B * H * (n_q * per_tok_q + n_win * per_tok_w)
+        return B * H * (slots * per_tok_q + n_win * per_tok_w)
 
     @property
     def state(self):
@@ -119,15 +167,9 @@ class AffineCache(CompressedCache):
     @state.setter
     def state(self, v) -> None:
         self.win_keys, self.win_values = v[0], v[1]
-        self._codes = list(v[2:8])
-        if hasattr(self, "n_bits"):
-            self._build_quantized()
-
-    def _build_quantized(self) -> None:
-        c = self._codes
-        self.qkeys = None if c[0] is None else q.Quantized(*c[0:3], self.n_bits, self.group_size)
-        self.qvalues = None if c[3] is None else q.Quantized(*c[3:6], self.n_bits,
-                                                             self.group_size)
+        self.kbuf = None if v[2] is None else list(v[2:5])
+        self.vbuf = None if v[5] is None else list(v[5:8])
+        self.n_q = 0 if v[2] is None else v[2].shape[2]
 
     @property
     def meta_state(self):
@@ -137,8 +179,6 @@ class AffineCache(CompressedCache):
     def meta_state(self, v) -> None:
         self.offset, self.batch_size = int(v[0]), int(v[1])
         self.n_bits, self.group_size, self.window = int(v[2]), int(v[3]), int(v[4])
-        if hasattr(self, "_codes"):
-            self._build_quantized()
 
     # ---- trimming (prompt-cache reuse across chat turns) ----
     def is_trimmable(self) -> bool:
@@ -148,22 +188,24 @@ class AffineCache(CompressedCache):
         """Drop the last ``n`` tokens (codes are per token, so slicing is exact)."""
         n = max(0, min(self.offset, n))
         keep = self.offset - n
-        n_win = 0 if self.win_keys is None else self.win_keys.shape[2]
-        n_q = self.offset - n_win
-        if keep >= n_q:
-            w = keep - n_q
+        if keep >= self.n_q:
+            w = keep - self.n_q
             self.win_keys = self.win_keys[:, :, :w] if w else None
             self.win_values = self.win_values[:, :, :w] if w else None
         else:
             self.win_keys = self.win_values = None
-            self.qkeys = _slice_tokens(self.qkeys, keep)
-            self.qvalues = _slice_tokens(self.qvalues, keep)
+            # Exact copies: the trimmed tail (and the reserve) is released.
+            self.kbuf = [mx.contiguous(a[:, :, :keep]) for a in self.kbuf] if keep else None
+            self.vbuf = [mx.contiguous(a[:, :, :keep]) for a in self.vbuf] if keep else None
+            self.n_q = keep
         self.offset = keep
         return n
 
 
-def _slice_tokens(part: q.Quantized | None, n: int) -> q.Quantized | None:
-    if part is None or n == 0:
-        return None
-    return q.Quantized(*(mx.contiguous(a[:, :, :n]) for a in part.arrays), part.bits,
-                       part.group_size)
+def _grown(buf: mx.array | None, new: mx.array, used: int, spare: int) -> mx.array:
+    """``buf[:, :, :used]`` followed by ``new`` and ``spare`` empty token slots."""
+    parts = [] if buf is None or used == 0 else [buf[:, :, :used]]
+    parts.append(new)
+    if spare:
+        parts.append(mx.zeros((*new.shape[:2], spare, *new.shape[3:]), new.dtype))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)

@@ -12,6 +12,9 @@ When it triggers: mlx_lm feeds the prompt in multi-token chunks and then the las
 prompt token alone (``L == 1``). Compression runs at the first single-token step
 after a multi-token update, with the window queries taken from the end of the
 prefill (only a ``[B, Hq, window, D]`` slice is kept) plus that step's query.
+
+Decode speed: keys and values live in buffers with a small reserve (1/32 of the
+tokens held, counted in ``accounted_bytes``) that decode steps write in place.
 """
 
 from __future__ import annotations
@@ -76,8 +79,10 @@ class SnapKVCache(CompressedCache):
         self.capacity = config.snapkv_capacity
         self.kernel = config.snapkv_kernel
         self.pooling = config.snapkv_pooling
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        # Buffers; the first n_held token slots are used, the rest is the reserve.
+        self.kbuf: mx.array | None = None
+        self.vbuf: mx.array | None = None
+        self.n_held = 0
         self.obs_queries: mx.array | None = None  # last `window` prefill queries
         self.compressed = False
         self.evicted = 0  # prompt tokens dropped (per KV head)
@@ -102,17 +107,38 @@ class SnapKVCache(CompressedCache):
             raise config_error("snapkv_pooling", config.snapkv_pooling,
                                f"one of {list(POOLINGS)}")
 
+    @property
+    def keys(self) -> mx.array | None:
+        """The held keys (a view of the buffer without its reserve)."""
+        return None if self.kbuf is None else self.kbuf[:, :, :self.n_held]
+
+    @property
+    def values(self) -> mx.array | None:
+        return None if self.vbuf is None else self.vbuf[:, :, :self.n_held]
+
+    def _set_held(self, keys: mx.array | None, values: mx.array | None) -> None:
+        self.kbuf, self.vbuf = keys, values
+        self.n_held = 0 if keys is None else keys.shape[2]
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.check_input(keys, values)
         self.batch_size = keys.shape[0]
         wdt = self.window_dtype(keys.dtype)
         k, v = keys.astype(wdt), values.astype(wdt)
-        if self.keys is None:
-            self.keys, self.values = k, v
+        n, L = self.n_held, keys.shape[2]
+        if self.kbuf is None or n + L > self.kbuf.shape[2]:
+            # Grow with a small reserve so decode steps write in place, not concatenate.
+            spare = (n + L) // 32
+            self.kbuf, self.vbuf = (
+                mx.concatenate([*([buf[:, :, :n]] if n else []), new,
+                                *([mx.zeros((*new.shape[:2], spare, new.shape[3]), wdt)]
+                                  if spare else [])], axis=2)
+                for buf, new in ((self.kbuf, k), (self.vbuf, v)))
         else:
-            self.keys = mx.concatenate([self.keys, k], axis=2)
-            self.values = mx.concatenate([self.values, v], axis=2)
-        self.offset += keys.shape[2]
+            self.kbuf[:, :, n:n + L] = k
+            self.vbuf[:, :, n:n + L] = v
+        self.n_held = n + L
+        self.offset += L
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
@@ -148,31 +174,32 @@ class SnapKVCache(CompressedCache):
                             self.kernel, self.pooling)[..., None]
         keep_k = mx.take_along_axis(self.keys[:, :, :prefix], idx, axis=2)
         keep_v = mx.take_along_axis(self.values[:, :, :prefix], idx, axis=2)
-        self.keys = mx.concatenate([keep_k, self.keys[:, :, prefix:]], axis=2)
-        self.values = mx.concatenate([keep_v, self.values[:, :, prefix:]], axis=2)
+        self._set_held(mx.concatenate([keep_k, self.keys[:, :, prefix:]], axis=2),
+                       mx.concatenate([keep_v, self.values[:, :, prefix:]], axis=2))
         self.evicted = prefix - self.capacity
-        mx.eval(self.keys, self.values)  # drop the references to the full prompt
+        mx.eval(self.kbuf, self.vbuf)  # drop the references to the full prompt
 
     # ---- storage ----
     def held_arrays(self) -> list[mx.array]:
-        return [a for a in (self.keys, self.values, self.obs_queries) if a is not None]
+        return [a for a in (self.kbuf, self.vbuf, self.obs_queries) if a is not None]
 
     def accounted_bytes(self) -> int:
-        if self.keys is None:
+        if self.kbuf is None:
             return 0
-        B, H, n, D = self.keys.shape
-        total = B * H * n * (D + self.values.shape[3]) * self.keys.itemsize
+        B, H, slots, D = self.kbuf.shape  # tokens held + reserve
+        total = B * H * slots * (D + self.vbuf.shape[3]) * self.kbuf.itemsize
         if self.obs_queries is not None:
             total += self.obs_queries.size * self.obs_queries.itemsize
         return total
 
     @property
     def state(self) -> list[mx.array]:
-        return self.held_arrays()
+        arrays = [self.keys, self.values, self.obs_queries]
+        return [a for a in arrays if a is not None]
 
     @state.setter
     def state(self, v: list[mx.array]) -> None:
-        self.keys, self.values = (v[0], v[1]) if v else (None, None)
+        self._set_held(*((v[0], v[1]) if v else (None, None)))
         self.obs_queries = v[2] if len(v) > 2 else None
 
     @property

@@ -12,6 +12,11 @@ chunked prefill gives the same attention as decoding token by token.
 Positions: keys keep the RoPE of their original positions (as mlx_lm's
 ``RotatingKVCache``), the paper instead assigns positions within the cache. See
 ``docs/methods/streaming.md`` for why.
+
+Decode speed: once ``sink + window`` tokens are held, the window part of the buffer
+is a ring. A decode step writes its token in place over the oldest one; the order
+inside the buffer does not matter to a single query, which sees every held token.
+Multi-token chunks put the buffer back in time order first.
 """
 
 from __future__ import annotations
@@ -38,9 +43,12 @@ class StreamingCache(CompressedCache):
         self.window = config.get("window", DEFAULT_WINDOW)
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
+        # Ring slot (within the window part) holding the oldest recent token.
+        self.ring = 0
         # The chunk being attended: keys/values of sinks + previous window + chunk and
         # the position of the chunk's first token. Released by ``attend``.
-        self._pending: tuple[mx.array, mx.array, mx.array, int] | None = None
+        # "ring" after an in-place decode step.
+        self._pending: tuple[mx.array, mx.array, mx.array, int] | str | None = None
 
     @classmethod
     def validate_config(cls, config: KVCacheConfig) -> None:
@@ -58,17 +66,37 @@ class StreamingCache(CompressedCache):
         recent = mx.arange(self.offset - (n - n_sink), self.offset)
         return mx.concatenate([mx.arange(n_sink), recent])
 
+    def _in_time_order(self) -> tuple[mx.array, mx.array]:
+        """Held keys/values with the ring unrolled (sinks, then oldest to newest)."""
+        if not self.ring:
+            return self.keys, self.values
+        s, r = self.sink, self.sink + self.ring
+        return tuple(mx.concatenate([x[:, :, :s], x[:, :, r:], x[:, :, s:r]], axis=2)
+                     for x in (self.keys, self.values))
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.check_input(keys, values)
         self.batch_size = keys.shape[0]
         start = self.offset
         L = keys.shape[2]
+        full = self.keys is not None and self.keys.shape[2] == self.sink + self.window
+        if L == 1 and full:
+            # Steady decode: overwrite the oldest recent token in place.
+            wdt = self.window_dtype(keys.dtype)
+            i = self.sink + self.ring
+            self.keys[:, :, i:i + 1] = keys.astype(wdt)
+            self.values[:, :, i:i + 1] = values.astype(wdt)
+            self.ring = (self.ring + 1) % self.window
+            self.offset += 1
+            self._pending = "ring"
+            return keys, values
         positions = self._held_positions()
         if self.keys is None:
             all_k, all_v = keys, values
         else:
-            all_k = mx.concatenate([self.keys.astype(keys.dtype), keys], axis=2)
-            all_v = mx.concatenate([self.values.astype(values.dtype), values], axis=2)
+            held_k, held_v = self._in_time_order()
+            all_k = mx.concatenate([held_k.astype(keys.dtype), keys], axis=2)
+            all_v = mx.concatenate([held_v.astype(values.dtype), values], axis=2)
         positions = mx.concatenate([positions, mx.arange(start, start + L)])
         self._pending = (all_k, all_v, positions, start)
         self.offset += L
@@ -81,6 +109,7 @@ class StreamingCache(CompressedCache):
             all_k = mx.concatenate(keep_k, axis=2) if self.sink else keep_k[1]
             all_v = mx.concatenate(keep_v, axis=2) if self.sink else keep_v[1]
         self.keys, self.values = all_k.astype(wdt), all_v.astype(wdt)
+        self.ring = 0
         return keys, values
 
     def band_mask(self, positions: mx.array, start: int, n_queries: int) -> mx.array:
@@ -92,9 +121,15 @@ class StreamingCache(CompressedCache):
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         if self._pending is None:
             raise RuntimeError("streaming: attend called without a preceding update_and_fetch")
+        L = queries.shape[2]
+        if self._pending == "ring":
+            # Ring decode step: every held token is visible; their order does not matter.
+            self._pending = None
+            return mx.fast.scaled_dot_product_attention(
+                queries, self.keys.astype(queries.dtype), self.values.astype(queries.dtype),
+                scale=scale)
         keys, values, positions, start = self._pending
         self._pending = None
-        L = queries.shape[2]
         if L == 1:
             # A single query: the held tokens are exactly what it may see.
             keys, values = self.keys, self.values
@@ -117,11 +152,13 @@ class StreamingCache(CompressedCache):
 
     @property
     def state(self) -> list[mx.array]:
-        return self.held_arrays()
+        # Saved in time order, so a loaded cache starts with its ring at slot 0.
+        return [] if self.keys is None else list(self._in_time_order())
 
     @state.setter
     def state(self, v: list[mx.array]) -> None:
         self.keys, self.values = (v[0], v[1]) if v else (None, None)
+        self.ring, self._pending = 0, None
 
     @property
     def meta_state(self) -> tuple[str, ...]:

@@ -59,3 +59,69 @@ def attention_weights(queries: mx.array, keys: mx.array, scale: float,
             scores = scores + mask
     probs = mx.softmax(scores, axis=-1, precise=True)
     return probs.reshape(B, Hq, L, S)
+
+
+def split_attention(queries: mx.array, parts: list[tuple[Any, Any]], scale: float,
+                    mask: Any = None, quantized_matmul: bool = False) -> mx.array:
+    """Attention over several key/value parts without concatenating them.
+
+    Each part is ``(keys, values)``: dense ``[B, H, S_i, D]`` arrays (any dtype, cast
+    to the query dtype) or ``ops.quantize.Quantized`` codes quantized per token along
+    the head dimension. Only the small ``[.., L, S]`` scores are joined, so one softmax
+    covers every part and no full-size key/value copy is built. Quantized parts are
+    multiplied on their codes with ``mx.quantized_matmul`` when ``quantized_matmul``,
+    otherwise, when a token has one group (``group_size == head_dim``) and bits divide
+    32, the scale and bias are applied to the small scores instead of to every code:
+    ``q . (s c + b) = s (q . c) + b sum(q)`` and ``sum_t p_t (s_t c_t + b_t) =
+    (p s) @ c + p @ b``, so the only full-size transient is the codes as floats.
+    Other quantized parts are dequantized into a transient.
+    """
+    from . import quantize as q
+
+    B, Hq, L, D = queries.shape
+    first = parts[0][0]
+    H = (first.codes if isinstance(first, q.Quantized) else first).shape[1]
+    dt = queries.dtype
+    qr = (queries * scale).reshape(B, H, Hq // H, L, D)
+
+    def matmul(x: mx.array, part: Any, transpose: bool) -> mx.array:
+        if not isinstance(part, q.Quantized):
+            w = part.astype(dt)[:, :, None]
+            return x @ (w.swapaxes(-1, -2) if transpose else w)
+        if quantized_matmul:
+            return mx.quantized_matmul(
+                x, part.codes[:, :, None], part.scales[:, :, None].astype(dt),
+                part.biases[:, :, None].astype(dt), transpose=transpose,
+                group_size=part.group_size, bits=part.bits)
+        if part.scales.shape[-1] == 1 and 32 % part.bits == 0:
+            c = q.code_values(part, dt)[:, :, None]  # [B, H, 1, S, D]
+            s = part.scales.astype(dt)[:, :, None]  # [B, H, 1, S, 1]
+            b = part.biases.astype(dt)[:, :, None]
+            if transpose:  # scores [.., L, S]
+                return ((x @ c.swapaxes(-1, -2)) * s.swapaxes(-1, -2)
+                        + x.sum(-1, keepdims=True) * b.swapaxes(-1, -2))
+            return (x * s.swapaxes(-1, -2)) @ c + x @ b  # [.., L, Dv]
+        deq = q.dequantize_unpacked if 32 % part.bits == 0 else q.dequantize
+        w = deq(part, dt)[:, :, None]
+        return x @ (w.swapaxes(-1, -2) if transpose else w)
+
+    scores = [matmul(qr, k, True) for k, _ in parts]
+    sizes = [s.shape[-1] for s in scores]
+    scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
+    S = scores.shape[-1]
+    mask = fit_mask(mask, L, S)
+    if isinstance(mask, str):
+        mask = causal_mask(L, S)
+    if mask is not None:
+        if mask.ndim == 4:  # [B, Hq or 1, L, S] -> grouped [B, H or 1, rep or 1, L, S]
+            mask = (mask.reshape(mask.shape[0], 1, 1, L, S) if mask.shape[1] == 1
+                    else mask.reshape(mask.shape[0], H, Hq // H, L, S))
+        scores = (mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_
+                  else scores + mask)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out, start = None, 0
+    for (_, v), n in zip(parts, sizes):
+        part = matmul(probs[..., start:start + n], v, False)
+        out = part if out is None else out + part
+        start += n
+    return out.reshape(B, Hq, L, -1)
