@@ -19,7 +19,9 @@ from veloxquant_mlx.ops.attention import sdpa
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # Attention error allowed at lossless settings (8-bit codes), by compute dtype.
-TOL = {"float32": 2e-2, "float16": 3e-2, "bfloat16": 8e-2}
+# 8-bit codes of N(0, 1) data have a step of about 6/255 ~ 0.024 per group, so single
+# outputs can be off by one half step plus score noise.
+TOL = {"float32": 3e-2, "float16": 4e-2, "bfloat16": 8e-2}
 
 install_attention_routing()
 
@@ -28,8 +30,9 @@ install_attention_routing()
 @given(B=st.integers(1, 3), H=st.integers(1, 3), D=st.sampled_from([32, 64]),
        dtype=st.sampled_from(sorted(DTYPES)), chunks=st.lists(st.integers(1, 40), min_size=1,
                                                                max_size=4),
-       window=st.integers(0, 12), n_rep=st.sampled_from([1, 2]))
-def test_affine_matches_dense(B, H, D, dtype, chunks, window, n_rep) -> None:
+       window=st.integers(0, 12), n_rep=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_affine_matches_dense(B, H, D, dtype, chunks, window, n_rep, seed) -> None:
+    mx.random.seed(seed)  # the data must come from hypothesis too, or shrinking is flaky
     dt = DTYPES[dtype]
     layer = LayerInfo(n_kv_heads=H, head_dim=D)
     cfg = KVCacheConfig(method="affine", bits=8, group_size=32, window=window,

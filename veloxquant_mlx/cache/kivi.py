@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from ..config import KVCacheConfig, config_error
 from ..ops import quantize as q
-from ..ops.attention import causal_mask, fit_mask
+from ..ops.attention import masked_softmax
 from .base import CompressedCache, LayerInfo, require_int
 
 KIVI_BITS = (2, 4)
@@ -154,17 +154,7 @@ class KIVICache(CompressedCache):
         if self.res_keys is not None:
             scores.append(qr @ self.res_keys.astype(dt)[:, :, None].swapaxes(-1, -2))
         scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
-        S = scores.shape[-1]
-        mask = fit_mask(mask, L, S)
-        if isinstance(mask, str):
-            mask = causal_mask(L, S)
-        if mask is not None:
-            if mask.ndim == 4:  # [B, Hq or 1, L, S] -> grouped [B, H, rep, L, S]
-                mask = mask.reshape(mask.shape[0], -1, 1, L, S) if mask.shape[1] == 1 \
-                    else mask.reshape(B, H, Hq // H, L, S)
-            scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ \
-                else scores + mask
-        probs = mx.softmax(scores, axis=-1, precise=True)
+        probs = masked_softmax(scores, mask)
         n_vq = 0 if self.qvalues is None else self.qvalues.codes.shape[2]
         out = qmatmul(probs[..., :n_vq], self.qvalues) if n_vq else 0
         if self.res_values is not None:

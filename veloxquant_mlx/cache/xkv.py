@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from ..config import KVCacheConfig, config_error
 from ..ops import quantize as q
-from ..ops.attention import causal_mask, fit_mask
+from ..ops.attention import masked_softmax
 from ..ops.rope import rotate, unrotate
 from .base import CompressedCache, LayerInfo, require_int
 from .xkv_coordinator import XKVCoordinator
@@ -334,16 +334,7 @@ class XKVCache(CompressedCache):
             scores = mx.concatenate([scores_c, scores_w], axis=-1)
         else:
             scores = scores_w
-        T = scores.shape[-1]
-        mask = fit_mask(mask, L, T)
-        if isinstance(mask, str):
-            mask = causal_mask(L, T)
-        if mask is not None:
-            if mask.dtype == mx.bool_:
-                scores = mx.where(mask, scores, -mx.inf)
-            else:
-                scores = scores + mask.astype(scores.dtype)
-        p = mx.softmax(scores, axis=-1, precise=True)
+        p = masked_softmax(scores, mask)
         out = p[..., Tc:] @ win_v
         if Tc:
             av, bv, mv = self._factors("values")

@@ -286,7 +286,7 @@ class XProjection:
         the stored form ``Z`` first and the small factor ``R_v`` after, and the bias
         passes through unchanged because each row of probabilities sums to one.
         """
-        from ..ops.attention import causal_mask, fit_mask, sdpa
+        from ..ops.attention import masked_softmax, sdpa
 
         B, Hq, L, D = queries.shape
         if not self.factored_pays(Hq * L):
@@ -295,17 +295,7 @@ class XProjection:
         rep = Hq // H
         q = (queries.astype(mx.float32) * scale).reshape(B, H, rep * L, D)
         scores = (q @ keys.astype(mx.float32).swapaxes(-1, -2)).reshape(B, H, rep, L, S)
-        mask = fit_mask(mask, L, S)
-        if isinstance(mask, str):
-            mask = causal_mask(L, S)
-        if mask is not None:
-            if mask.ndim == 4:  # [B, 1, L, S]: make room for the query-group axis
-                mask = mask[:, :, None]
-            if mask.dtype == mx.bool_:
-                scores = mx.where(mask, scores, -mx.inf)
-            else:
-                scores = scores + mask
-        probs = mx.softmax(scores, axis=-1, precise=True)
+        probs = masked_softmax(scores, mask)
         mixed = probs.reshape(B, H * rep * L, S) @ parts[-1]
         out = mixed.reshape(B, H, rep * L, -1) @ self.rv_heads
         if self.bv_heads is not None:

@@ -29,6 +29,27 @@ def fit_mask(mask: Any, n_queries: int, n_keys: int) -> Any:
     return mask
 
 
+def masked_softmax(scores: mx.array, mask: Any = None) -> mx.array:
+    """Softmax over the last axis of ``scores`` [..., L, S] after mlx_lm's ``mask``.
+
+    Scores grouped by KV head ([B, H, rep, L, S]) take a 4-D mask [B, Hq or 1, L, S]
+    regrouped to match. A boolean mask drops positions; an additive one is added in
+    the scores' dtype.
+    """
+    L, S = scores.shape[-2:]
+    mask = fit_mask(mask, L, S)
+    if isinstance(mask, str):
+        mask = causal_mask(L, S)
+    if mask is not None:
+        if mask.ndim == 4 and scores.ndim == 5:
+            H, rep = scores.shape[1], scores.shape[2]
+            mask = (mask[:, :, None] if mask.shape[1] == 1
+                    else mask.reshape(mask.shape[0], H, rep, *mask.shape[2:]))
+        scores = (mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_
+                  else scores + mask.astype(scores.dtype))
+    return mx.softmax(scores, axis=-1, precise=True)
+
+
 def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
          mask: Any = None) -> mx.array:
     """Grouped-query attention over dense keys/values (cast to the query dtype)."""
@@ -48,17 +69,7 @@ def attention_weights(queries: mx.array, keys: mx.array, scale: float,
     rep = Hq // Hkv
     q = queries.reshape(B, Hkv, rep, L, D).astype(mx.float32)
     scores = (q * scale) @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2)
-    S = keys.shape[2]
-    mask = fit_mask(mask, L, S)
-    if isinstance(mask, str):
-        mask = causal_mask(L, S)
-    if mask is not None:
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, -mx.inf)
-        else:
-            scores = scores + mask
-    probs = mx.softmax(scores, axis=-1, precise=True)
-    return probs.reshape(B, Hq, L, S)
+    return masked_softmax(scores, mask).reshape(B, Hq, L, keys.shape[2])
 
 
 def split_attention(queries: mx.array, parts: list[tuple[Any, Any]], scale: float,
@@ -108,17 +119,7 @@ def split_attention(queries: mx.array, parts: list[tuple[Any, Any]], scale: floa
     scores = [matmul(qr, k, True) for k, _ in parts]
     sizes = [s.shape[-1] for s in scores]
     scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
-    S = scores.shape[-1]
-    mask = fit_mask(mask, L, S)
-    if isinstance(mask, str):
-        mask = causal_mask(L, S)
-    if mask is not None:
-        if mask.ndim == 4:  # [B, Hq or 1, L, S] -> grouped [B, H or 1, rep or 1, L, S]
-            mask = (mask.reshape(mask.shape[0], 1, 1, L, S) if mask.shape[1] == 1
-                    else mask.reshape(mask.shape[0], H, Hq // H, L, S))
-        scores = (mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_
-                  else scores + mask)
-    probs = mx.softmax(scores, axis=-1, precise=True)
+    probs = masked_softmax(scores, mask)
     out, start = None, 0
     for (_, v), n in zip(parts, sizes):
         part = matmul(probs[..., start:start + n], v, False)
