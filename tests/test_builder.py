@@ -107,3 +107,15 @@ def test_attend_cache_refuses_to_run_without_routing():
             cache.update_and_fetch(mx.zeros((1, 2, 3, 32)), mx.zeros((1, 2, 3, 32)))
     finally:
         glue.install_attention_routing()
+
+
+def test_cache_stats_counts_foreign_float32_layers_at_float16():
+    model = tiny_model("gemma3_text")
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="affine", bits=8,
+                                                           group_size=32))
+    model(mx.zeros((1, 40), dtype=mx.int32), cache=caches)
+    sliding = [c for c in caches if isinstance(c, RotatingKVCache)]
+    assert sliding and sliding[0].keys.dtype == mx.float32
+    s = cache_stats(caches)
+    ours = sum(c.stats()["fp16_bytes"] for c in caches if isinstance(c, AffineCache))
+    assert s["fp16_bytes"] == ours + sum(c.nbytes // 2 for c in sliding)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -88,8 +89,8 @@ def compressed_caches(caches: list[Any]) -> list[CompressedCache]:
 def cache_stats(caches: list[Any]) -> dict[str, Any]:
     """Totals over all layers: held, accounted and fp16-equivalent bytes and ratio.
 
-    Layers that keep the model's own cache count their own ``nbytes`` as held and
-    as fp16-equivalent.
+    Layers that keep the model's own cache (e.g. sliding-window layers) count their
+    ``nbytes`` as held and accounted, and the same tokens in float16 as fp16-equivalent.
     """
     held = accounted = fp16 = 0
     for c in caches:
@@ -102,7 +103,10 @@ def cache_stats(caches: list[Any]) -> dict[str, Any]:
             n = getattr(c, "nbytes", 0) or 0
             held += n
             accounted += n
-            fp16 += n
+            # The same tokens in float16 (the model's own cache may hold float32).
+            keys = getattr(c, "keys", None)
+            itemsize = keys.itemsize if isinstance(keys, mx.array) else 2
+            fp16 += n * 2 // itemsize
     return {
         "held_bytes": held,
         "accounted_bytes": accounted,

@@ -148,10 +148,8 @@ def attention_module(block: nn.Module) -> nn.Module | None:
 
 
 def _out_features(linear: nn.Module) -> int:
-    weight = linear.weight
-    if hasattr(linear, "bits"):  # QuantizedLinear keeps packed columns; rows are outputs
-        return weight.shape[0]
-    return weight.shape[0]
+    # Rows are the outputs for Linear and QuantizedLinear alike (only columns are packed).
+    return linear.weight.shape[0]
 
 
 def attention_layout(attn: nn.Module, args: Any = None) -> AttentionLayout:
@@ -162,9 +160,8 @@ def attention_layout(attn: nn.Module, args: Any = None) -> AttentionLayout:
         or getattr(args, "num_key_value_heads", None) or n_heads
     k_out = _out_features(attn.k_proj)
     v_out = _out_features(attn.v_proj) if hasattr(attn, "v_proj") else k_out
-    head_dim = getattr(attn, "head_dim", None) or k_out // n_kv_heads
-    if n_kv_heads * head_dim != k_out:
-        head_dim = k_out // n_kv_heads
+    # The projection's width is the ground truth (some models keep an unrelated head_dim).
+    head_dim = k_out // n_kv_heads
     return AttentionLayout(int(n_heads), int(n_kv_heads), int(head_dim),
                            int(v_out // n_kv_heads), getattr(attn, "rope", None))
 
