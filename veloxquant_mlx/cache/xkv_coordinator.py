@@ -116,15 +116,7 @@ class XKVCoordinator:
                 f"group {group_id} member {member_idx} published {stream} at "
                 f"token_start={token_start} twice"
             )
-        if member_idx == 0 and stream == "keys":
-            total = self._published.get(group_id, 0) + n_tokens
-            if total > self._max_ctx:
-                raise ValueError(
-                    f"group {group_id}: publishing {n_tokens} tokens at token_start="
-                    f"{token_start} brings it to {total} tokens, over the budget "
-                    f"max_ctx={self._max_ctx} (raise KVCacheConfig.max_ctx)"
-                )
-            self._published[group_id] = total
+        self._count_leader_tokens(group_id, member_idx, stream, token_start, n_tokens)
         entry["members"][member_idx] = keys
 
     def get_shared_basis(self, group_id: int, token_start: int, expected_members: int,
@@ -224,14 +216,7 @@ class XKVCoordinator:
                 f"group {group_id} member {member_idx}: projection at token_start="
                 f"{token_start} published twice or with n_tokens={n_tokens} != "
                 f"{entry['n']}")
-        if member_idx == 0 and stream == "keys":
-            total = self._published.get(group_id, 0) + n_tokens
-            if total > self._max_ctx:
-                raise ValueError(
-                    f"group {group_id}: publishing {n_tokens} tokens at token_start="
-                    f"{token_start} brings it to {total} tokens, over the budget "
-                    f"max_ctx={self._max_ctx} (raise KVCacheConfig.max_ctx)")
-            self._published[group_id] = total
+        self._count_leader_tokens(group_id, member_idx, stream, token_start, n_tokens)
         entry["members"][member_idx] = (xb, bb)
 
     def get_projection(self, group_id: int, token_start: int, expected_members: int, *,
@@ -260,6 +245,20 @@ class XKVCoordinator:
         del self._proj[key]
         self._bases[key] = [a, 0]
         return self._hand_out(key, expected_members)
+
+    def _count_leader_tokens(self, group_id: int, member_idx: int, stream: str,
+                             token_start: int, n_tokens: int) -> None:
+        """The leader's key tokens count toward ``published_tokens`` and the budget."""
+        if member_idx != 0 or stream != "keys":
+            return
+        total = self._published.get(group_id, 0) + n_tokens
+        if total > self._max_ctx:
+            raise ValueError(
+                f"group {group_id}: publishing {n_tokens} tokens at token_start="
+                f"{token_start} brings it to {total} tokens, over the budget "
+                f"max_ctx={self._max_ctx} (raise KVCacheConfig.max_ctx)"
+            )
+        self._published[group_id] = total
 
     def published_tokens(self, group_id: int) -> int:
         """Total tokens the leader (member 0) of ``group_id`` has published."""
