@@ -159,10 +159,7 @@ class AffineCache(CompressedCache):
 
     @property
     def state(self):
-        arrays = [self.win_keys, self.win_values]
-        for part in (self.qkeys, self.qvalues):
-            arrays.extend(part.arrays if part is not None else [None, None, None])
-        return arrays
+        return [self.win_keys, self.win_values, *q.state_arrays(self.qkeys, self.qvalues)]
 
     @state.setter
     def state(self, v) -> None:

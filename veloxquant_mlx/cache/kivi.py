@@ -184,10 +184,7 @@ class KIVICache(CompressedCache):
     # ---- save / restore ----
     @property
     def state(self):
-        arrays = [self.res_keys, self.res_values]
-        for part in (self.qkeys, self.qvalues):
-            arrays.extend(part.arrays if part is not None else [None, None, None])
-        return arrays
+        return [self.res_keys, self.res_values, *q.state_arrays(self.qkeys, self.qvalues)]
 
     @state.setter
     def state(self, v) -> None:

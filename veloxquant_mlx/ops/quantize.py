@@ -32,6 +32,15 @@ class Quantized:
         return self.codes.nbytes + self.scales.nbytes + self.biases.nbytes
 
 
+def state_arrays(*parts: Quantized | None) -> list[mx.array | None]:
+    """Codes, scales and biases of each part (three ``None`` for a missing part), the
+    flat layout that cache ``state`` lists use."""
+    out: list[mx.array | None] = []
+    for part in parts:
+        out.extend(part.arrays if part is not None else [None, None, None])
+    return out
+
+
 def quantize(x: mx.array, bits: int, group_size: int,
              scale_dtype: mx.Dtype = mx.float16) -> Quantized:
     """Affine quantization of ``x`` in groups of ``group_size`` along the last axis.
