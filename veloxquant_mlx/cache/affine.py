@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig, config_error
+from ..config import KVCacheConfig
 from ..ops import quantize as q
 from ..ops.attention import split_attention
-from .base import CompressedCache, require_int
+from .base import CompressedCache, require_group_divides, require_int
 
 
 def reserve(n: int) -> int:
@@ -48,13 +48,7 @@ class AffineCache(CompressedCache):
         self.n_q = 0
         self.win_keys: mx.array | None = None
         self.win_values: mx.array | None = None
-        for d in (self.layer.head_dim, self.layer.v_head_dim):
-            if d % self.group_size:
-                raise config_error(
-                    "group_size", self.group_size,
-                    f"a divisor of head_dim={d} of layer {self.layer.layer_idx} "
-                    f"(one of {[g for g in q.AFFINE_GROUP_SIZES if d % g == 0]})",
-                )
+        require_group_divides(self.layer, self.group_size)
 
     @classmethod
     def validate_config(cls, config: KVCacheConfig) -> None:

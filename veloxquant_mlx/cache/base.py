@@ -124,12 +124,12 @@ class CompressedCache(_BaseCache):
         """Rebuild a cache saved by ``save_prompt_cache``.
 
         ``layer`` already carries the roles and the fresh coordinator that
-        ``assign_roles`` injected; methods whose coordinator must be refilled from
-        the saved state override this.
+        ``assign_roles`` injected. ``meta_state`` is applied first: it says how the
+        ``state`` list is laid out (bits, ranks, counts).
         """
         cache = cls(config, layer)
-        cache.state = state
         cache.meta_state = meta_state
+        cache.state = state
         return cache
 
     # ---- batches (mlx_lm BatchGenerator) ----
@@ -304,6 +304,17 @@ class CompressedCache(_BaseCache):
             raise ValueError(
                 f"{self.method} cache of layer {self.layer.layer_idx}: {self.offset + L} "
                 f"tokens exceed KVCacheConfig.max_ctx={self.config.max_ctx}"
+            )
+
+
+def require_group_divides(layer: LayerInfo, group_size: int) -> None:
+    """``group_size`` must divide the layer's key and value head dims."""
+    for name, d in (("head_dim", layer.head_dim), ("v_head_dim", layer.v_head_dim)):
+        if d % group_size:
+            divisors = [g for g in (32, 64, 128) if d % g == 0]
+            raise config_error(
+                "group_size", group_size,
+                f"a divisor of {name}={d} of layer {layer.layer_idx} (one of {divisors})",
             )
 
 

@@ -28,7 +28,7 @@ import mlx.core as mx
 from ..config import KVCacheConfig, config_error
 from ..ops import quantize as q
 from ..ops.attention import masked_softmax
-from .base import CompressedCache, LayerInfo, require_int
+from .base import CompressedCache, LayerInfo, require_group_divides, require_int
 
 KIVI_BITS = (2, 4)
 DEFAULT_BITS, DEFAULT_GROUP_SIZE, DEFAULT_WINDOW = 2, 32, 128
@@ -51,13 +51,7 @@ class KIVICache(CompressedCache):
         self.res_keys: mx.array | None = None
         self.res_values: mx.array | None = None
         self.compute_dtype = mx.float32
-        for name, d in (("head_dim", self.layer.head_dim), ("v_head_dim", self.layer.v_head_dim)):
-            if d % self.group_size:
-                raise config_error(
-                    "group_size", self.group_size,
-                    f"a divisor of {name}={d} of layer {self.layer.layer_idx} "
-                    f"(one of {[g for g in q.AFFINE_GROUP_SIZES if d % g == 0]})",
-                )
+        require_group_divides(self.layer, self.group_size)
 
     @classmethod
     def validate_config(cls, config: KVCacheConfig) -> None:

@@ -209,16 +209,6 @@ class MiniCacheCache(CompressedCache):
         return B * H * self.offset * per_tok
 
     # ---- save / load ----
-    @classmethod
-    def from_saved(cls, config: KVCacheConfig, layer: LayerInfo, state: Any,
-                   meta_state: tuple[str, ...]) -> MiniCacheCache:
-        # ``layer.coordinator`` is the fresh one ``assign_roles`` injected on load:
-        # each member refills its own share of the pair's store into it.
-        cache = cls(config, layer)
-        cache.meta_state = meta_state
-        cache.state = state
-        return cache
-
     @property
     def state(self) -> list:
         # What this layer holds, nested (mlx_lm evaluates it after each prefill chunk;

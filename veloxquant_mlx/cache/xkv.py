@@ -174,15 +174,6 @@ class XKVCache(CompressedCache):
                     model: Any) -> None:
         link_groups(caches)
 
-    @classmethod
-    def from_saved(cls, config: KVCacheConfig, layer: LayerInfo, state: Any,
-                   meta_state: tuple[str, ...]) -> XKVCache:
-        # meta_state first: it says which factors the state list holds.
-        cache = cls(config, layer)
-        cache.meta_state = meta_state
-        cache.state = state
-        return cache
-
     # ---- mlx_lm protocol ----
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.check_input(keys, values)
