@@ -80,6 +80,18 @@ class KVCacheBuilder:
         install_attention_routing(model)
         return caches
 
+    @staticmethod
+    def detach(model: nn.Module) -> None:
+        """Remove everything building caches installed on ``model`` (hooks, routing).
+
+        The model then runs exactly as before any cache was built; call it before a
+        memory measurement so that state installed by an earlier build is not reused.
+        """
+        from .integration.mlx_lm import uninstall_attention_routing, uninstall_x_hook
+
+        uninstall_x_hook(model)
+        uninstall_attention_routing()
+
 
 def compressed_caches(caches: list[Any]) -> list[CompressedCache]:
     """The veloxquant caches among a model's caches."""
