@@ -1,13 +1,104 @@
+"""Shared fixtures: method settings for tiny models, prefill, routing, and the method list.
+
+A test that takes an argument named ``method`` and does not parametrize it itself runs
+once per registered method, so a new method is picked up with no edit here.
+"""
+
 import os
 import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import mlx.core as mx
+import pytest
+
+from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.integration.blas import preload_for_pytest
+from veloxquant_mlx.integration.mlx_lm import (
+    install_attention_routing,
+    uninstall_attention_routing,
+)
+from veloxquant_mlx.registry import methods
 
 # Unit tests import the tiny in-process models from this folder.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Options that make each method compress something within a few dozen tokens of a tiny
+# model (head_dim 32, 4 layers); a method not listed runs with its defaults.
+SMALL_OPTIONS: dict[str, dict[str, Any]] = {
+    "affine": dict(bits=4, group_size=32, window=4),
+    "kivi": dict(bits=4, group_size=32, window=32),
+    "streaming": dict(window=16, sink=2),
+    "snapkv": dict(capacity=16, window=4),
+    "xkv": dict(group_layers=2, block=16, window=8),
+    "minicache": dict(window=8),
+    "xquant": dict(bits=4, group_size=32),
+    "xquant_cl": dict(bits=4, group_size=32),
+}
+
+# Settings under which a method keeps (nearly) everything of a 40-token prompt: 8-bit
+# codes, eviction that evicts nothing, full-rank factors, merging that merges nothing.
+LOSSLESS_OPTIONS: dict[str, dict[str, Any]] = {
+    "affine": dict(bits=8, group_size=32),
+    "kivi": dict(bits=4, group_size=32, window=128),
+    "streaming": dict(window=1000),
+    "snapkv": dict(capacity=1000),
+    "xkv": dict(group_layers=2, block=16, rank_k=16, rank_v=16, window=32),
+    "minicache": dict(window=1000),
+    "xquant": dict(bits=8, group_size=32),
+    "xquant_cl": dict(bits=8, group_size=32),
+}
+
+PROMPT = [(i * 37 + 11) % 120 + 1 for i in range(40)]
 
 
 def pytest_configure(config):
     # Re-run pytest with an optimized BLAS preloaded (MLX's Linux CPU wheel bundles the
     # slow reference BLAS); a no-op on macOS and where none is installed.
     preload_for_pytest(config)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "method" not in metafunc.fixturenames:
+        return
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        names = marker.args[0]
+        if "method" in (names.replace(" ", "").split(",") if isinstance(names, str) else names):
+            return
+    metafunc.parametrize("method", list(methods()))
+
+
+def small_config(method: str, **extra: Any) -> KVCacheConfig:
+    """``method`` with ``SMALL_OPTIONS``; a method that cannot be built fails the test."""
+    return KVCacheConfig(method, **{**SMALL_OPTIONS.get(method, {}), **extra})
+
+
+def lossless_config(method: str, **extra: Any) -> KVCacheConfig:
+    return KVCacheConfig(method, **{**LOSSLESS_OPTIONS.get(method, {}), **extra})
+
+
+def run_prefill(model: Any, caches: list[Any], tokens: list[int], chunk: int = 16) -> mx.array:
+    """Prefill ``tokens`` in chunks; the logits of the last chunk (evaluated)."""
+    logits = None
+    for s in range(0, len(tokens), chunk):
+        logits = model(mx.array([tokens[s:s + chunk]]), cache=caches)
+        mx.eval(logits, [c.state for c in caches])
+    return logits
+
+
+@pytest.fixture()
+def make_config() -> Callable[..., KVCacheConfig]:
+    return small_config
+
+
+@pytest.fixture()
+def prefill() -> Callable[..., mx.array]:
+    return run_prefill
+
+
+@pytest.fixture()
+def routing() -> Iterator[None]:
+    """Attention routing for tests that drive caches' ``attend`` through a model."""
+    install_attention_routing()
+    yield
+    uninstall_attention_routing()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from conftest import small_config
 from mlx_lm.generate import batch_generate, generate_step
-from test_prompt_cache import implemented_methods, small_config
 from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.cache.base import CompressedCache
-from veloxquant_mlx.integration.batch import BatchedCache
+from veloxquant_mlx.cache.batch import BatchedCache
 
 PROMPTS = [[(i * 13 + 5 * j) % 120 + 1 for i in range(n)] for j, n in enumerate((23, 7, 40))]
 
@@ -93,11 +93,10 @@ def test_batch_errors_are_clear() -> None:
         NoBatch.merge([c])
 
 
-@pytest.mark.parametrize("method", implemented_methods())
 def test_batch_generate_every_method(method: str) -> None:
     """Every method batches (per-sequence caches) or refuses clearly; never dense."""
     model = tiny_model("llama")
-    cfg = small_config(method, model)
+    cfg = small_config(method)
     caches = [KVCacheBuilder.for_model(model, cfg) for _ in PROMPTS]
     cls = type(next(c for c in caches[0] if isinstance(c, CompressedCache)))
     if not cls.supports_batching:

@@ -96,19 +96,6 @@ def test_routing_is_reversible():
     glue.install_attention_routing()
 
 
-def test_attend_cache_refuses_to_run_without_routing():
-    glue.uninstall_attention_routing()
-    try:
-        cache = AffineCache(KVCacheConfig(method="affine", group_size=32),
-                            glue_layer := __import__("veloxquant_mlx").cache.LayerInfo(
-                                n_kv_heads=2, head_dim=32))
-        assert glue_layer.head_dim == 32
-        with pytest.raises(RuntimeError, match="attention routing is not installed"):
-            cache.update_and_fetch(mx.zeros((1, 2, 3, 32)), mx.zeros((1, 2, 3, 32)))
-    finally:
-        glue.install_attention_routing()
-
-
 def test_cache_stats_counts_foreign_float32_layers_at_float16():
     model = tiny_model("gemma3_text")
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="affine", bits=8,

@@ -57,9 +57,60 @@ def test_from_string_accepts_unprefixed_method_options():
     assert cfg.bits == 4
 
 
-def test_list_methods_has_reference_and_affine():
-    rows = {r["name"]: r for r in list_methods()}
-    assert rows["none"]["status"] == "implemented"
-    assert rows["affine"]["status"] == "implemented"
-    for r in rows.values():
-        assert r["paper"] and r["family"]
+def test_list_methods_has_reference_first_and_every_method_described():
+    rows = list_methods()
+    assert rows[0]["name"] == "none"
+    for r in rows:
+        assert r["paper"] and r["family"] and r["stores"]
+
+
+def test_options_are_the_methods_own_dataclass():
+    cfg = KVCacheConfig("kivi", bits=4)
+    assert type(cfg.options).__name__ == "KIVIOptions"
+    assert (cfg.options.bits, cfg.options.group_size, cfg.options.window) == (4, 32, 128)
+    assert KVCacheConfig("affine").options.bits == 4  # each method's own default
+    with pytest.raises(ConfigError, match=r"unknown option 'rank_k' for method 'affine'.*"
+                                          r"\['bits', 'group_size', 'window'\]"):
+        KVCacheConfig("affine", rank_k=4)
+
+
+def test_legacy_prefixed_names_still_work():
+    new = KVCacheConfig("xkv", rank_k=64, group_layers=2)
+    assert KVCacheConfig("xkv", xkv_rank_k=64, xkv_group_size=2) == new
+    assert KVCacheConfig.from_string("xkv:xkv_rank_k=64,xkv_group_size=2") == new
+    assert KVCacheConfig("xkv", rank_k=64, group_layers=2).xkv_rank_k == 64
+    assert KVCacheConfig("minicache", minicache_bits=4).options.bits == 4
+
+
+def test_legacy_flat_dict_loads():
+    # What 0.1 wrote into saved caches: every method's fields, flat.
+    old = {"method": "snapkv", "bits": None, "group_size": None, "window": 16,
+           "window_dtype": "float16", "max_ctx": 4096, "xkv_group_size": 4,
+           "xkv_rank_k": None, "snapkv_capacity": 64, "snapkv_kernel": 5,
+           "snapkv_pooling": "avg", "minicache_t": 0.5, "xquant_latent": True}
+    cfg = KVCacheConfig.from_dict(old)
+    assert cfg == KVCacheConfig("snapkv", capacity=64, kernel=5, pooling="avg", window=16,
+                                max_ctx=4096)
+    with pytest.raises(ConfigError, match="unknown KVCacheConfig field 'frobnicate'"):
+        KVCacheConfig.from_dict({**old, "frobnicate": 1})
+
+
+def test_string_dict_and_file_round_trips(tmp_path):
+    cfg = KVCacheConfig("xkv", rank_k=64, factor_bits=4, window_dtype="float32")
+    assert cfg.to_string() == "xkv:rank_k=64,factor_bits=4,window_dtype=float32"
+    assert KVCacheConfig.from_string(cfg.to_string()) == cfg
+    assert KVCacheConfig.from_dict(cfg.to_dict()) == cfg
+    cfg.to_file(tmp_path / "c.json")
+    assert KVCacheConfig.from_file(tmp_path / "c.json") == cfg
+    (tmp_path / "bad.json").write_text("{nope")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        KVCacheConfig.from_file(tmp_path / "bad.json")
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        KVCacheConfig.from_file(tmp_path / "missing.json")
+
+
+def test_replace_changes_method_options_and_shared_fields():
+    cfg = KVCacheConfig("affine", bits=8, max_ctx=1024)
+    assert cfg.replace(window=4).options.window == 4
+    other = cfg.replace(method="kivi")
+    assert other.method == "kivi" and other.options.bits == 2 and other.max_ctx == 1024

@@ -47,7 +47,7 @@ def step(cache: KIVICache, k: mx.array, v: mx.array, n_q_heads: int | None = Non
     ({"window": 64, "group_size": 128}, "window", "multiple of group_size=128"),
 ])
 def test_bad_config_names_field_and_value(options, field, text):
-    with pytest.raises(ConfigError, match=f"KVCacheConfig.{field}=") as err:
+    with pytest.raises(ConfigError, match=f"kivi.{field}=") as err:
         KVCacheConfig(method="kivi", **options)
     assert text in str(err.value)
 

@@ -210,46 +210,45 @@ def test_assign_roles_pairs_the_middle_to_deep_layers():
 
 def test_assign_roles_custom_range_and_odd_tail():
     layers = infos(8)
-    cfg = KVCacheConfig(method="minicache", minicache_start_layer=1, minicache_end_layer=5)
+    cfg = KVCacheConfig(method="minicache", start_layer=1, end_layer=5)
     MiniCacheCache.assign_roles(layers, cfg, None)
     assert [i.group_size for i in layers] == [1, 2, 2, 2, 2, 1, 1, 1]
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    (dict(minicache_start_layer=9), "minicache_start_layer"),
-    (dict(minicache_end_layer=8), "minicache_end_layer"),
-    (dict(minicache_start_layer=7), "minicache_end_layer"),
+    (dict(start_layer=9), "start_layer"),
+    (dict(end_layer=8), "end_layer"),
+    (dict(start_layer=7), "end_layer"),
 ])
 def test_merge_range_outside_the_model_is_an_error(kwargs, field):
     cfg = KVCacheConfig(method="minicache", **kwargs)
-    with pytest.raises(ConfigError, match=f"KVCacheConfig.{field}=.*8 layers|{field}"):
+    with pytest.raises(ConfigError, match=f"minicache.{field}=.*8 layers|{field}"):
         MiniCacheCache.assign_roles(infos(8), cfg, None)
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    (dict(minicache_t=1.5), "minicache_t"),
-    (dict(minicache_t=-0.1), "minicache_t"),
-    (dict(minicache_t=float("nan")), "minicache_t"),
-    (dict(minicache_bits=7), "minicache_bits"),
-    (dict(minicache_bits=1), "minicache_bits"),
-    (dict(minicache_retention_threshold=1.0), "minicache_retention_threshold"),
-    (dict(minicache_retention_threshold=-0.5), "minicache_retention_threshold"),
-    (dict(minicache_start_layer=-1), "minicache_start_layer"),
-    (dict(minicache_start_layer=4, minicache_end_layer=4), "minicache_end_layer"),
+    (dict(t=1.5), "t"),
+    (dict(t=-0.1), "t"),
+    (dict(t=float("nan")), "t"),
+    (dict(bits=7), "bits"),
+    (dict(bits=1), "bits"),
+    (dict(retention_threshold=1.0), "retention_threshold"),
+    (dict(retention_threshold=-0.5), "retention_threshold"),
+    (dict(start_layer=-1), "start_layer"),
+    (dict(start_layer=4, end_layer=4), "end_layer"),
     (dict(group_size=48), "group_size"),
-    (dict(bits=4), "bits"),
-    (dict(minicache_retention="top"), "minicache_retention"),
+    (dict(retention="top"), "retention"),
 ])
 def test_bad_options_name_the_field(kwargs, field):
-    with pytest.raises(ConfigError, match=f"KVCacheConfig.{field}="):
+    with pytest.raises(ConfigError, match=f"minicache.{field}="):
         KVCacheConfig(method="minicache", **kwargs)
 
 
 def test_build_with_range_beyond_the_model_fails():
     model = tiny_model("llama")  # 4 layers
-    with pytest.raises(ConfigError, match="minicache_end_layer=10"):
+    with pytest.raises(ConfigError, match="end_layer=10"):
         KVCacheBuilder.for_model(model, KVCacheConfig(method="minicache",
-                                                      minicache_end_layer=10))
+                                                      end_layer=10))
 
 
 # ---------------------------------------------------------------- on a model
@@ -267,7 +266,7 @@ def model():
 
 @pytest.mark.parametrize("bits", [None, 4])
 def test_storage_is_real_and_counted_once(model, bits):
-    cfg = KVCacheConfig(method="minicache", minicache_bits=bits, window=4)
+    cfg = KVCacheConfig(method="minicache", bits=bits, window=4)
     caches = KVCacheBuilder.for_model(model, cfg)
     tokens = mx.random.randint(0, 128, (2, 40), key=mx.random.key(3))
     out = run(model, caches, tokens, 32)
@@ -293,7 +292,7 @@ def test_merged_store_keeps_the_primarys_magnitudes(model):
     tokens = mx.random.randint(0, 128, (1, 24), key=mx.random.key(4))
     dense = KVCacheBuilder.for_model(model, KVCacheConfig(method="none"))
     mini = KVCacheBuilder.for_model(model, KVCacheConfig(method="minicache", window=0,
-                                                         minicache_retention_threshold=0.0))
+                                                         retention_threshold=0.0))
     model(tokens, cache=dense)
     model(tokens, cache=mini)
     # Layer 3 (the primary) sees the same input as in the dense run (up to the fp16
@@ -310,7 +309,7 @@ def test_merged_store_keeps_the_primarys_magnitudes(model):
 
 def test_batch_rows_are_independent(model):
     tokens = mx.random.randint(0, 128, (2, 30), key=mx.random.key(5))
-    cfg = KVCacheConfig(method="minicache", minicache_retention_threshold=0.1, window=4)
+    cfg = KVCacheConfig(method="minicache", retention_threshold=0.1, window=4)
     both = run(model, KVCacheBuilder.for_model(model, cfg), tokens, 24)
     for b in range(2):
         one = run(model, KVCacheBuilder.for_model(model, cfg), tokens[b:b + 1], 24)
@@ -321,8 +320,8 @@ def test_batch_rows_are_independent(model):
 def test_save_load_round_trip_with_merged_tokens(model, bits, tmp_path):
     from veloxquant_mlx import load_prompt_cache, save_prompt_cache
 
-    cfg = KVCacheConfig(method="minicache", minicache_bits=bits, window=4,
-                        minicache_retention_threshold=0.2)
+    cfg = KVCacheConfig(method="minicache", bits=bits, window=4,
+                        retention_threshold=0.2)
     caches = KVCacheBuilder.for_model(model, cfg)
     tokens = mx.random.randint(0, 128, (1, 30), key=mx.random.key(6))
     run(model, caches, tokens, 24)
@@ -353,14 +352,14 @@ def test_loading_quantized_state_without_bits_is_an_error(model, tmp_path):
     k, v = rand_kv(4, 0)
     c.publish(0, 0, k, v)
     c.consume(0, 1, 0, k, v)
-    with pytest.raises(ValueError, match="minicache_bits=None"):
+    with pytest.raises(ValueError, match="bits=None"):
         MiniCacheCoordinator().load_member_state(0, 0, c.member_state(0, 0))
 
 
 def test_unmodified_mlx_lm_generate(model):
     from mlx_lm.generate import generate_step
 
-    cfg = KVCacheConfig(method="minicache", minicache_bits=4, window=2)
+    cfg = KVCacheConfig(method="minicache", bits=4, window=2)
     caches = KVCacheBuilder.for_model(model, cfg)
     prompt = mx.array([1, 5, 9, 20, 7, 3, 11, 2])
     toks = [t for t, _ in zip(generate_step(prompt, model, prompt_cache=caches,

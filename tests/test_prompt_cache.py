@@ -8,6 +8,8 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from conftest import PROMPT, small_config
+from conftest import run_prefill as prefill
 from mlx_lm.generate import generate_step
 from tiny_models import tiny_model
 
@@ -20,7 +22,6 @@ from veloxquant_mlx import (
     save_prompt_cache,
     trim_prompt_cache,
 )
-from veloxquant_mlx.config import ConfigError
 from veloxquant_mlx.integration.prompt_cache import (
     NotTrimmableError,
     PromptCacheError,
@@ -28,52 +29,10 @@ from veloxquant_mlx.integration.prompt_cache import (
 )
 from veloxquant_mlx.registry import list_methods
 
-# Options that fit the tiny models (head_dim 32, 4 layers, short contexts).
-SMALL = {
-    "affine": dict(bits=4, group_size=32, window=4),
-    "kivi": dict(bits=4, group_size=32, window=8),
-    "streaming": dict(window=16, streaming_sink=2),
-    "snapkv": dict(snapkv_capacity=16, window=4),
-    "xkv": dict(xkv_group_size=2, xkv_block=16, window=8),
-    "minicache": dict(),
-    "xquant": dict(bits=4, group_size=32),
-    "xquant_cl": dict(bits=4, group_size=32),
-}
 
-
-def implemented_methods() -> list[str]:
-    return [r["name"] for r in list_methods() if r["status"] == "implemented"]
-
-
-def small_config(name: str, model: Any = None, **extra: Any) -> KVCacheConfig:
-    """The first option set (small, then group_size=32, then defaults) the method accepts."""
-    model = model or tiny_model("llama")
-    last: Exception | None = None
-    for opts in (dict(SMALL.get(name, {}), **extra), dict(group_size=32, **extra), extra):
-        try:
-            cfg = KVCacheConfig(method=name, **opts)
-            KVCacheBuilder.for_model(model, cfg)
-            return cfg
-        except (ConfigError, ValueError, TypeError) as exc:
-            last = exc
-    pytest.skip(f"no small config for {name}: {last}")
-
-
-def prefill(model: Any, caches: list[Any], tokens: list[int], chunk: int = 16) -> mx.array:
-    logits = None
-    for s in range(0, len(tokens), chunk):
-        logits = model(mx.array([tokens[s:s + chunk]]), cache=caches)
-    mx.eval(logits)
-    return logits
-
-
-PROMPT = [(i * 37 + 11) % 120 + 1 for i in range(40)]
-
-
-@pytest.mark.parametrize("method", implemented_methods())
 def test_round_trip_every_method(method: str, tmp_path: Path) -> None:
     model = tiny_model("llama")
-    cfg = small_config(method, model)
+    cfg = small_config(method)
     caches = KVCacheBuilder.for_model(model, cfg)
     prefill(model, caches, PROMPT)
     path = tmp_path / "c.safetensors"
@@ -98,13 +57,11 @@ def test_round_trip_every_method(method: str, tmp_path: Path) -> None:
 
 
 def test_cross_layer_roles_and_fresh_coordinator(tmp_path: Path) -> None:
-    names = [r["name"] for r in list_methods()
-             if r["status"] == "implemented" and r["cross_layer"] == "yes"]
-    if not names:
-        pytest.skip("no cross-layer method implemented yet")
+    names = [r["name"] for r in list_methods() if r["cross_layer"] == "yes"]
+    assert names
     model = tiny_model("llama")
     for name in names:
-        caches = KVCacheBuilder.for_model(model, small_config(name, model))
+        caches = KVCacheBuilder.for_model(model, small_config(name))
         prefill(model, caches, PROMPT)
         save_prompt_cache(tmp_path / f"{name}.safetensors", caches)
         loaded = load_prompt_cache(tmp_path / f"{name}.safetensors", model=model)
@@ -253,19 +210,15 @@ def test_trim(cfg: dict) -> None:
         trim_prompt_cache(caches, -1)
 
 
-def test_not_trimmable_is_a_clear_error() -> None:
-    untrimmable = [n for n in implemented_methods()
-                   if n not in ("none", "affine")]
+def test_not_trimmable_is_a_clear_error(method: str) -> None:
     model = tiny_model("llama")
-    for name in untrimmable:
-        caches = KVCacheBuilder.for_model(model, small_config(name, model))
-        prefill(model, caches, PROMPT)
-        if can_trim_prompt_cache(caches):
-            continue
-        with pytest.raises(NotTrimmableError, match="not trimmable"):
-            trim_prompt_cache(caches, 1)
+    caches = KVCacheBuilder.for_model(model, small_config(method))
+    prefill(model, caches, PROMPT)
+    if can_trim_prompt_cache(caches):
+        assert trim_prompt_cache(caches, 1) == 1
         return
-    pytest.skip("every implemented method is trimmable")
+    with pytest.raises(NotTrimmableError, match="not trimmable"):
+        trim_prompt_cache(caches, 1)
 
 
 @pytest.mark.parametrize("cfg", [dict(method="none"),

@@ -75,7 +75,7 @@ def test_pooling_matches_numpy(pooling):
 @pytest.mark.parametrize("pooling,kernel", [("max", 7), ("avg", 3), ("max", 1)])
 def test_kept_tokens_are_the_top_scoring_ones(pooling, kernel):
     q, k, v = _qkv(81, batch=2)
-    c = _cache(window=8, snapkv_capacity=20, snapkv_kernel=kernel, snapkv_pooling=pooling)
+    c = _cache(window=8, capacity=20, kernel=kernel, pooling=pooling)
     _prefill_then_decode(c, q, k, v, [50, 30], n_decode=1)
     ref = _numpy_selection(q, k, window=8, capacity=20, kernel=kernel, pooling=pooling)
     kept = c.keys[:, :, :20]
@@ -87,7 +87,7 @@ def test_kept_tokens_are_the_top_scoring_ones(pooling, kernel):
 
 def test_eviction_is_real_and_decode_tokens_are_appended():
     q, k, v = _qkv(140)
-    c = _cache(window=8, snapkv_capacity=32, window_dtype="float16")
+    c = _cache(window=8, capacity=32, window_dtype="float16")
     _prefill_then_decode(c, q, k, v, [64, 63], n_decode=0)
     before = c.nbytes
     assert c.obs_queries.shape == (1, 4, 8, 16)  # only the window of queries is kept
@@ -111,7 +111,7 @@ def _prefill_then_decode_from(c, q, k, v, start, n):
 
 def test_short_prompt_is_not_compressed_and_equals_dense():
     q, k, v = _qkv(40)
-    c = _cache(window=8, snapkv_capacity=64)
+    c = _cache(window=8, capacity=64)
     out = _prefill_then_decode(c, q, k, v, [20, 15], n_decode=5)
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
     assert c.keys.shape[2] == 40 and c.evicted == 0
@@ -120,7 +120,7 @@ def test_short_prompt_is_not_compressed_and_equals_dense():
 
 def test_short_last_chunk_borrows_window_queries_from_the_previous_one():
     q, k, v = _qkv(71)
-    c = _cache(window=8, snapkv_capacity=16, snapkv_kernel=1)
+    c = _cache(window=8, capacity=16, kernel=1)
     _prefill_then_decode(c, q, k, v, [66, 4], n_decode=1)
     ref = _numpy_selection(q, k, window=8, capacity=16, kernel=1, pooling="max")
     expect = np.take_along_axis(np.array(k[:, :, :63]), ref[..., None], axis=2)
@@ -141,7 +141,7 @@ def test_tiny_model_under_generate_step_batch_and_compression():
     model = tiny_model("llama")
     prompt = mx.random.randint(0, 128, (60,), key=mx.random.key(4))
     caches = KVCacheBuilder.for_model(
-        model, KVCacheConfig(method="snapkv", window=4, snapkv_capacity=16))
+        model, KVCacheConfig(method="snapkv", window=4, capacity=16))
     toks = [t for t, _ in zip(generate_step(prompt, model, prompt_cache=caches,
                                             prefill_step_size=32), range(5))]
     assert len(toks) == 5
@@ -152,7 +152,7 @@ def test_tiny_model_under_generate_step_batch_and_compression():
     tokens = mx.random.randint(0, 128, (2, 30), key=mx.random.key(5))
     dense = model(tokens, cache=KVCacheBuilder.for_model(model, method="none"))
     big = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", window=4,
-                                                        snapkv_capacity=64,
+                                                        capacity=64,
                                                         window_dtype="float32"))
     out = mx.concatenate([model(tokens[:, :29], cache=big),
                           model(tokens[:, 29:], cache=big)], axis=1)
@@ -161,7 +161,7 @@ def test_tiny_model_under_generate_step_batch_and_compression():
 
 def test_not_trimmable_and_state_round_trip():
     q, k, v = _qkv(60)
-    c = _cache(window=4, snapkv_capacity=20)
+    c = _cache(window=4, capacity=20)
     _prefill_then_decode(c, q, k, v, [59], n_decode=1)
     assert not c.is_trimmable()
     with pytest.raises(NotImplementedError, match="not trimmable"):
@@ -173,11 +173,11 @@ def test_not_trimmable_and_state_round_trip():
 
 
 @pytest.mark.parametrize("opts,match", [
-    (dict(window=64, snapkv_capacity=32), r"window=64.*snapkv_capacity=32"),
-    (dict(snapkv_kernel=4), r"snapkv_kernel=4.*odd"),
-    (dict(snapkv_kernel=0), r"snapkv_kernel=0.*>= 1"),
-    (dict(snapkv_pooling="mean"), r"snapkv_pooling='mean'.*\['max', 'avg'\]"),
-    (dict(snapkv_capacity=0), r"snapkv_capacity=0.*>= 1"),
+    (dict(window=64, capacity=32), r"window=64.*capacity=32"),
+    (dict(kernel=4), r"kernel=4.*odd"),
+    (dict(kernel=0), r"kernel=0.*>= 1"),
+    (dict(pooling="mean"), r"pooling='mean'.*\['max', 'avg'\]"),
+    (dict(capacity=0), r"capacity=0.*>= 1"),
     (dict(window=0), r"window=0.*>= 1"),
 ])
 def test_bad_options_name_field_value_and_allowed(opts, match):
@@ -195,7 +195,7 @@ def test_generate_on_embedded_model():
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     caches = KVCacheBuilder.for_model(
-        model, KVCacheConfig(method="snapkv", window=4, snapkv_capacity=16))
+        model, KVCacheConfig(method="snapkv", window=4, capacity=16))
     out = mlx_lm.generate(model, tokenizer, prompt=prompt, max_tokens=20,
                           prompt_cache=caches)
     assert "Paris" in out

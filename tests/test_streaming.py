@@ -46,28 +46,28 @@ def _run(cache, q, k, v, chunks):
                                     [10] + [1] * 23 + [20, 1, 6]])
 def test_attention_matches_sinks_plus_band_reference_for_any_chunking(chunks):
     q, k, v = _kv(60)
-    out = _run(_cache(streaming_sink=3, window=12), q, k, v, chunks)
+    out = _run(_cache(sink=3, window=12), q, k, v, chunks)
     ref = _reference(q, k, v, sink=3, window=12)
     assert mx.abs(out - ref).max().item() < 1e-5
 
 
 def test_without_eviction_it_is_dense_causal_attention():
     q, k, v = _kv(30)
-    out = _run(_cache(streaming_sink=4, window=40), q, k, v, [17, 13])
+    out = _run(_cache(sink=4, window=40), q, k, v, [17, 13])
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
     assert mx.abs(out - ref).max().item() < 1e-5
 
 
 def test_zero_sinks_is_a_plain_sliding_window():
     q, k, v = _kv(40)
-    out = _run(_cache(streaming_sink=0, window=8), q, k, v, [16, 16] + [1] * 8)
+    out = _run(_cache(sink=0, window=8), q, k, v, [16, 16] + [1] * 8)
     ref = _reference(q, k, v, sink=0, window=8)
     assert mx.abs(out - ref).max().item() < 1e-5
 
 
 def test_held_bytes_stop_growing_and_match_accounting():
     q, k, v = _kv(200, batch=2)
-    c = _cache(streaming_sink=4, window=28, window_dtype="float16")
+    c = _cache(sink=4, window=28, window_dtype="float16")
     sizes = []
     for i in range(200):
         c.update_and_fetch(k[:, :, i:i + 1], v[:, :, i:i + 1])
@@ -87,9 +87,9 @@ def test_held_bytes_stop_growing_and_match_accounting():
 
 def test_batch_of_two_gives_each_row_its_own_result():
     q, k, v = _kv(50, batch=2, seed=3)
-    both = _run(_cache(streaming_sink=2, window=10), q, k, v, [30, 1, 19])
+    both = _run(_cache(sink=2, window=10), q, k, v, [30, 1, 19])
     for b in range(2):
-        one = _run(_cache(streaming_sink=2, window=10), q[b:b + 1], k[b:b + 1],
+        one = _run(_cache(sink=2, window=10), q[b:b + 1], k[b:b + 1],
                    v[b:b + 1], [50])
         assert mx.abs(both[b:b + 1] - one).max().item() < 1e-5
 
@@ -107,7 +107,7 @@ def test_tiny_model_matches_dense_until_the_window_fills():
     assert mx.abs(out - ref).max().item() < 1e-4
     # Past the window the output differs (tokens were evicted) but stays finite.
     small = KVCacheBuilder.for_model(model, KVCacheConfig(method="streaming", window=8,
-                                                          streaming_sink=2))
+                                                          sink=2))
     out = model(tokens, cache=small)
     assert mx.isfinite(out).all().item() and mx.abs(out - ref).max().item() > 1e-3
     assert cache_stats(small)["held_bytes"] == 4 * 2 * 2 * 10 * 64 * 2
@@ -122,7 +122,7 @@ def test_not_trimmable():
 
 def test_state_round_trip():
     q, k, v = _kv(60)
-    c = _cache(streaming_sink=2, window=10)
+    c = _cache(sink=2, window=10)
     _run(c, q, k, v, [50])
     d = StreamingCache.from_state(c.state)
     d.meta_state = c.meta_state
@@ -146,8 +146,8 @@ def test_state_round_trip():
 
 
 @pytest.mark.parametrize("opts,match", [
-    (dict(streaming_sink=-1), r"streaming_sink=-1.*>= 0"),
-    (dict(streaming_sink=2.5), r"streaming_sink=2.5.*integer"),
+    (dict(sink=-1), r"sink=-1.*>= 0"),
+    (dict(sink=2.5), r"sink=2.5.*integer"),
     (dict(window=0), r"window=0.*>= 1"),
 ])
 def test_bad_options_name_field_value_and_allowed(opts, match):

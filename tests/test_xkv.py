@@ -19,7 +19,7 @@ def model():
 
 
 def _cfg(**kw):
-    base = dict(method="xkv", xkv_block=BLOCK, xkv_group_size=2, xkv_energy_threshold=1.0)
+    base = dict(method="xkv", block=BLOCK, group_layers=2, energy_threshold=1.0)
     base.update(kw)
     return KVCacheConfig(**base)
 
@@ -41,30 +41,35 @@ def _tokens(batch=1, n=110, seed=1):
 
 # ---- configuration ----
 @pytest.mark.parametrize("field,value,match", [
-    ("xkv_group_size", 0, ">= 1"),
-    ("group_size", 4, "xkv_group_size"),
-    ("xkv_rank_k", 0, ">= 1"),
-    ("xkv_rank_v", BLOCK + 1, "xkv_block"),
-    ("xkv_block", 0, ">= 1"),
-    ("xkv_factor_bits", 7, "one of"),
-    ("xkv_pre_rope", "yes", "True or False"),
-    ("xkv_grouping", "random", "'contiguous' or 'cka'"),
+    ("group_layers", 0, ">= 1"),
+    ("rank_k", 0, ">= 1"),
+    ("rank_v", BLOCK + 1, "block"),
+    ("block", 0, ">= 1"),
+    ("factor_bits", 7, "one of"),
+    ("pre_rope", "yes", "True or False"),
+    ("grouping", "random", r"\['contiguous', 'cka'\]"),
     ("window", -1, "positive|>= 0"),
 ])
 def test_bad_config_names_field(field, value, match):
-    with pytest.raises(ConfigError, match=rf"KVCacheConfig\.{field}=.*{match}"):
+    with pytest.raises(ConfigError, match=rf"xkv\.{field}=.*{match}"):
         _cfg(**{field: value})
+
+
+def test_quantization_group_size_is_not_an_xkv_option():
+    # Easy to mistake for the layers per group: the error lists the real options.
+    with pytest.raises(ConfigError, match="unknown option 'group_size'.*group_layers"):
+        _cfg(group_size=4)
 
 
 def test_rank_larger_than_group_width(model):
     # tiny llama: 2 KV heads x 32 = 64 features per layer; G=1 allows rank <= 64.
-    with pytest.raises(ConfigError, match=r"xkv_rank_k=100.*1\*64"):
-        KVCacheBuilder.for_model(model, _cfg(xkv_group_size=1, xkv_block=128,
-                                             xkv_rank_k=100))
+    with pytest.raises(ConfigError, match=r"rank_k=100.*1\*64"):
+        KVCacheBuilder.for_model(model, _cfg(group_layers=1, block=128,
+                                             rank_k=100))
 
 
 def test_cka_grouping(model):
-    caches = KVCacheBuilder.for_model(model, _cfg(xkv_grouping="cka", xkv_block=FULL))
+    caches = KVCacheBuilder.for_model(model, _cfg(grouping="cka", block=FULL))
     groups: dict[int, list[int]] = {}
     for c in caches:
         groups.setdefault(c.layer.group_id, []).append(c.layer.layer_idx)
@@ -88,13 +93,13 @@ def test_linear_cka():
 
 
 def test_block_must_fit_factor_quantization():
-    with pytest.raises(ConfigError, match="xkv_block=48.*multiple of 32"):
-        _cfg(xkv_block=48, xkv_factor_bits=4)
+    with pytest.raises(ConfigError, match="block=48.*multiple of 32"):
+        _cfg(block=48, factor_bits=4)
 
 
 # ---- roles ----
 def test_contiguous_groups_one_coordinator(model):
-    caches = KVCacheBuilder.for_model(model, _cfg(xkv_group_size=2))
+    caches = KVCacheBuilder.for_model(model, _cfg(group_layers=2))
     roles = [(c.layer.group_id, c.layer.member_idx, c.layer.group_size) for c in caches]
     assert roles == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2), (2, 0, 1)]
     assert len({id(c.layer.coordinator) for c in caches}) == 1
@@ -106,7 +111,7 @@ def test_contiguous_groups_one_coordinator(model):
 def test_full_energy_matches_dense(model, pre_rope, batch):
     tokens = _tokens(batch, n=FULL + 70)
     ref = _run(model, make_prompt_cache(model), tokens, FULL + 50)
-    caches = KVCacheBuilder.for_model(model, _cfg(xkv_block=FULL, xkv_pre_rope=pre_rope))
+    caches = KVCacheBuilder.for_model(model, _cfg(block=FULL, pre_rope=pre_rope))
     out = _run(model, caches, tokens, FULL + 50)
     # 198 tokens: the SVD block of 128, then projected steps of 32 (two), window 6.
     assert all(c.win_start == FULL + 64 and c.basis for c in caches)
@@ -121,8 +126,8 @@ def test_attend_matches_dense_kernel(model):
     rebuilt keys and values."""
     tokens = _tokens(1, n=FULL + 40)
     for pre_rope in (True, False):
-        caches = KVCacheBuilder.for_model(model, _cfg(xkv_block=FULL, xkv_rank_k=12,
-                                                      xkv_rank_v=12, xkv_pre_rope=pre_rope))
+        caches = KVCacheBuilder.for_model(model, _cfg(block=FULL, rank_k=12,
+                                                      rank_v=12, pre_rope=pre_rope))
         _run(model, caches, tokens, FULL + 40)
         c = caches[1]
         a, bk, mk = c._factors("keys")
@@ -142,8 +147,8 @@ def test_attend_matches_dense_kernel(model):
 
 def test_low_rank_compresses_and_accounting_matches(model):
     tokens = _tokens(2, n=140)
-    caches = KVCacheBuilder.for_model(model, _cfg(xkv_rank_k=8, xkv_rank_v=8,
-                                                  xkv_factor_bits=8))
+    caches = KVCacheBuilder.for_model(model, _cfg(rank_k=8, rank_v=8,
+                                                  factor_bits=8))
     ref = _run(model, make_prompt_cache(model), tokens, 128)
     out = _run(model, caches, tokens, 128)
     st = cache_stats(caches)
@@ -158,7 +163,7 @@ def test_low_rank_compresses_and_accounting_matches(model):
 
 def test_shared_token_factor_held_once(model):
     tokens = _tokens(1, n=70)
-    caches = KVCacheBuilder.for_model(model, _cfg(xkv_rank_k=8, xkv_rank_v=8))
+    caches = KVCacheBuilder.for_model(model, _cfg(rank_k=8, rank_v=8))
     _run(model, caches, tokens, 64)
     leader, member = caches[0], caches[1]
     assert leader.shared and not member.shared
@@ -198,10 +203,10 @@ def test_one_token_prompt(model):
 def test_quantized_factors(model, bits, tol):
     tokens = _tokens(1, n=FULL + 40)
     ref = _run(model, make_prompt_cache(model), tokens, FULL + 32)
-    caches = KVCacheBuilder.for_model(model, _cfg(xkv_block=FULL, xkv_factor_bits=bits))
+    caches = KVCacheBuilder.for_model(model, _cfg(block=FULL, factor_bits=bits))
     out = _run(model, caches, tokens, FULL + 32)
     assert mx.abs(out - ref).max().item() < tol
-    full = KVCacheBuilder.for_model(model, _cfg(xkv_block=FULL))
+    full = KVCacheBuilder.for_model(model, _cfg(block=FULL))
     _run(model, full, tokens, FULL + 32)
     assert cache_stats(caches)["held_bytes"] < cache_stats(full)["held_bytes"]
     assert abs(cache_stats(caches)["held_bytes"] / cache_stats(caches)["accounted_bytes"]
@@ -218,7 +223,7 @@ def test_window_keeps_recent_tokens(model):
 
 def test_state_roundtrip(model):
     tokens = _tokens(1, n=75)
-    cfg = _cfg(xkv_rank_k=16, xkv_rank_v=16, xkv_factor_bits=8)
+    cfg = _cfg(rank_k=16, rank_v=16, factor_bits=8)
     caches = KVCacheBuilder.for_model(model, cfg)
     _run(model, caches, tokens, 64)
     fresh = KVCacheBuilder.for_model(model, cfg)
@@ -247,8 +252,8 @@ def test_embedded_model_short_context():
     tokens = encode(tok, load_text(None))[:300]
     dense = perplexity_through_cache(model, tokens, lambda: make_prompt_cache(model), 256, 32)
     # The basis is fit on the whole 256-token context; decode tokens are projected.
-    cfg = KVCacheConfig(method="xkv", xkv_block=256, xkv_rank_k=192, xkv_rank_v=192,
-                        xkv_factor_bits=4)
+    cfg = KVCacheConfig(method="xkv", block=256, rank_k=192, rank_v=192,
+                        factor_bits=4)
     got = perplexity_through_cache(model, tokens,
                                    lambda: KVCacheBuilder.for_model(model, cfg), 256, 32)
     assert got["ratio"] < 0.9
@@ -260,7 +265,7 @@ def test_non_contiguous_groups_work(model, monkeypatch):
     import veloxquant_mlx.cache.xkv as xkv_mod
 
     monkeypatch.setattr(xkv_mod, "cka_groups", lambda *a, **k: [[0, 3], [1, 4], [2]])
-    caches = KVCacheBuilder.for_model(model, _cfg(xkv_grouping="cka", xkv_block=FULL))
+    caches = KVCacheBuilder.for_model(model, _cfg(grouping="cka", block=FULL))
     assert [c.leader.layer.layer_idx for c in caches] == [0, 1, 2, 0, 1]
     tokens = _tokens(1, n=FULL + 40)
     ref = _run(model, make_prompt_cache(model), tokens, FULL + 32)

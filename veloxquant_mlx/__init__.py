@@ -5,6 +5,7 @@
     mlx_lm.generate(model, tokenizer, prompt, prompt_cache=caches)
 """
 
+from ._version import __version__
 from .builder import KVCacheBuilder, cache_stats
 from .config import ConfigError, KVCacheConfig
 from .integration.prompt_cache import (
@@ -14,8 +15,6 @@ from .integration.prompt_cache import (
     trim_prompt_cache,
 )
 from .registry import list_methods
-
-__version__ = "0.1.0"
 
 __all__ = ["KVCacheBuilder", "KVCacheConfig", "ConfigError", "cache_stats", "list_methods",
            "save_prompt_cache", "load_prompt_cache", "can_trim_prompt_cache",

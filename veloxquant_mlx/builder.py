@@ -13,11 +13,13 @@ from .config import KVCacheConfig
 from .integration.mlx_lm import (
     attention_layout,
     attention_module,
+    check_attention_routing,
     install_attention_routing,
     model_layers,
     rope_params,
+    uninstall_attention_routing,
 )
-from .registry import get_method
+from .registry import get_method, methods
 
 
 class KVCacheBuilder:
@@ -37,40 +39,45 @@ class KVCacheBuilder:
             lay = attention_layout(attn, args)
             infos.append(LayerInfo(
                 layer_idx=idx, n_layers=len(blocks), n_kv_heads=lay.n_kv_heads,
-                head_dim=lay.head_dim, v_head_dim=lay.v_head_dim, attention=attn,
+                head_dim=lay.head_dim, v_head_dim=lay.v_head_dim, attention=attn, block=block,
                 model_type=str(getattr(args, "model_type", "")), **rope_params(lay.rope),
             ))
         return infos
+
+    @classmethod
+    def eligible_layers(cls, model: nn.Module, method_cls: type) -> tuple[list[Any], list[int],
+                                                                          list[LayerInfo]]:
+        """The model's own caches, and the indices / infos of the layers to compress."""
+        infos = cls.layer_infos(model)
+        default_caches = make_prompt_cache(model)
+        if len(default_caches) != len(infos):
+            raise ValueError(
+                f"model.make_cache() gave {len(default_caches)} caches for {len(infos)} layers")
+        eligible = [i for i, (info, c) in enumerate(zip(infos, default_caches))
+                    if info is not None and method_cls.supports_layer(c)]
+        if not eligible:
+            raise ValueError(
+                f"model {type(model).__module__}.{type(model).__name__} has no plain "
+                f"full-attention layers that method {method_cls.method!r} can compress")
+        return default_caches, eligible, [infos[i] for i in eligible]
 
     @classmethod
     def for_model(cls, model: nn.Module, config: KVCacheConfig | None = None,
                   **options: Any) -> list[Any]:
         """One cache per layer; layers the method does not support keep the model's own.
 
-        ``options`` are ``KVCacheConfig`` fields, a shortcut for
-        ``for_model(model, KVCacheConfig(**options))``.
+        ``options`` are ``KVCacheConfig`` fields or method options, a shortcut for
+        ``for_model(model, KVCacheConfig(**options))``. Raises ``UnsupportedModelError``
+        when the model's attention would bypass the compressed caches.
         """
         if config is None:
             config = KVCacheConfig(**options)
         elif options:
             config = config.replace(**options)
         method_cls = get_method(config.method)
-        infos = cls.layer_infos(model)
-        default_caches = make_prompt_cache(model)
-        if len(default_caches) != len(infos):
-            raise ValueError(
-                f"model.make_cache() gave {len(default_caches)} caches for {len(infos)} layers"
-            )
-        eligible = [
-            i for i, (info, c) in enumerate(zip(infos, default_caches))
-            if info is not None and method_cls.supports_layer(c)
-        ]
-        if not eligible:
-            raise ValueError(
-                f"model {type(model).__module__}.{type(model).__name__} has no plain "
-                f"full-attention layers that method {config.method!r} can compress"
-            )
-        layers = [infos[i] for i in eligible]
+        default_caches, eligible, layers = cls.eligible_layers(model, method_cls)
+        if method_cls.attends:
+            check_attention_routing(model, eligible, config.method)
         # Cross-layer methods assign groups and inject their shared coordinator.
         method_cls.assign_roles(layers, config, model)
         caches = list(default_caches)
@@ -87,15 +94,9 @@ class KVCacheBuilder:
         The model then runs exactly as before any cache was built; call it before a
         memory measurement so that state installed by an earlier build is not reused.
         """
-        from .integration.mlx_lm import uninstall_attention_routing, uninstall_x_hook
-
-        uninstall_x_hook(model)
+        for method_cls in methods().values():
+            method_cls.detach(model)
         uninstall_attention_routing()
-
-
-def compressed_caches(caches: list[Any]) -> list[CompressedCache]:
-    """The veloxquant caches among a model's caches."""
-    return [c for c in caches if isinstance(c, CompressedCache)]
 
 
 def cache_stats(caches: list[Any]) -> dict[str, Any]:

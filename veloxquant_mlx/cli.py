@@ -7,38 +7,82 @@ import dataclasses
 import sys
 from typing import Any
 
-from .config import KVCacheConfig
+from .config import SHARED, ConfigError, KVCacheConfig, parse_value
+from .options import UNPREFIXED_01
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from .integration.mlx_lm import UnsupportedModelError
+    from .integration.prompt_cache import NotTrimmableError, PromptCacheError
+
+    return (ConfigError, UnsupportedModelError, PromptCacheError, NotTrimmableError,
+            FileNotFoundError)
+
+
+def _option_flags() -> dict[str, tuple[str, set[str], list[str]]]:
+    """Option field -> (help, aliases, methods) over every registered method."""
+    from .registry import methods
+
+    flags: dict[str, tuple[str, set[str], list[str]]] = {}
+    for name, cls in methods().items():
+        prefix = name.split("_")[0]
+        for f in dataclasses.fields(cls.Options):
+            help_, aliases, users = flags.setdefault(f.name, ("", set(), []))
+            users.append(f"{name}: {f.default!r}")
+            if f.name not in UNPREFIXED_01:  # 0.1 spelled method-only options with a prefix
+                aliases.add(f"{prefix}_{f.name}")
+        for old, new in cls.Options.legacy_names.items():
+            flags.setdefault(new, ("", set(), []))[1].add(old)
+    taken = set(flags)
+    return {k: (h, {a for a in al if a not in taken}, u) for k, (h, al, u) in flags.items()}
 
 
 def add_method_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--method`` and one ``--<option>`` flag per ``KVCacheConfig`` field."""
-    parser.add_argument("--method", default="none", help="compression method (see `methods`)")
-    for f in dataclasses.fields(KVCacheConfig):
-        if f.name in ("method", "extra"):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, dest=f.name, default=None, metavar="VALUE",
-                            help=f"KVCacheConfig.{f.name} (default: {f.default!r})")
+    """``--method``, ``--config`` and one flag per method option (from the options classes).
+
+    0.1's prefixed flags (``--xkv-rank-k``) still work as aliases.
+    """
+    parser.add_argument("--method", default=None,
+                        help="compression method, or a spec such as 'kivi:bits=4' "
+                             "(default: none; see `veloxquant methods`)")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="JSON config file (KVCacheConfig.to_file / veloxquant tune); "
+                             "flags given beside it override its values")
+    for name in SHARED:
+        parser.add_argument("--" + name.replace("_", "-"), dest=f"shared_{name}", default=None,
+                            metavar="VALUE", help=f"KVCacheConfig.{name}")
+    for field, (_, aliases, users) in _option_flags().items():
+        # A subcommand's own flag of the same name wins; the prefixed alias remains.
+        names = [flag for flag in ("--" + n.replace("_", "-") for n in [field, *sorted(aliases)])
+                 if flag not in parser._option_string_actions]
+        if names:
+            parser.add_argument(*names, dest=f"opt_{field}", default=None, metavar="VALUE",
+                                help="option of " + "; ".join(users))
 
 
 def config_from_args(args: argparse.Namespace) -> KVCacheConfig:
-    """Build the config from the flags that were given (others keep their defaults)."""
-    from .config import _parse_value
-
-    options: dict[str, Any] = {}
-    for f in dataclasses.fields(KVCacheConfig):
-        value = getattr(args, f.name, None)
-        if f.name in ("method", "extra") or value is None:
+    """The config from ``--config``, ``--method`` and the option flags that were given."""
+    values: dict[str, Any] = {}
+    for key, value in vars(args).items():
+        if value is None or not key.startswith(("opt_", "shared_")):
             continue
-        options[f.name] = _parse_value(value) if isinstance(value, str) else value
-    return KVCacheConfig(method=args.method, **options)
+        values[key.partition("_")[2]] = parse_value(value) if isinstance(value, str) else value
+    if getattr(args, "config", None):
+        base = KVCacheConfig.from_file(args.config)
+        if args.method is not None and args.method != base.method:
+            base = KVCacheConfig.from_string(args.method)
+        return base.replace(**values)
+    base = KVCacheConfig.from_string(args.method or "none")
+    return base.replace(**values) if values else base
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
     from .registry import list_methods
 
     rows = list_methods()
-    cols = ["name", "family", "status", "paper"]
+    for r in rows:
+        r["options"] = ", ".join(r["options"]) or "-"
+    cols = ["name", "family", "options", "paper"]
     widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:
@@ -90,7 +134,12 @@ def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="UTF-8 text file to evaluate on (default: stdlib docstrings)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--json", default=None,
+                        help="also write the full record (per-window / per-block stats, "
+                             "command line, versions, seeds) to this JSON file")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes that run in about a minute on the embedded model "
+                             "(explicit options still win)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
 
 
@@ -103,37 +152,28 @@ def _eval_specs(args: argparse.Namespace) -> list[Any]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .eval.perplexity import evaluate_methods
-    from .eval.report import markdown_table, run_record, write_json
+    from .eval.sweep import EVAL_FULL, EVAL_QUICK, eval_markdown, run_eval, write_eval_outputs
     from .eval.text import load_text
     from .models import load
 
     specs = _eval_specs(args)  # bad specs fail before the model loads
+    contexts = [int(c) for c in args.contexts.split(",") if c.strip()] if args.contexts \
+        else None
+    params = {"contexts": contexts, "predict": args.predict, "windows": args.windows,
+              "block": args.block, "n_boot": args.boot, "samples": args.samples,
+              "memory_steps": args.memory_steps}
+    defaults = EVAL_QUICK if args.quick else EVAL_FULL
+    params = {k: (defaults[k] if v is None else v) for k, v in params.items()}
+    depths = [float(d) for d in args.depths.split(",") if d.strip()]
     text = load_text(args.text)
     model, tokenizer = load(args.model)
-    if args.task == "ppl":
-        rows = evaluate_methods(model, tokenizer, specs, args.context, args.predict,
-                                args.windows, text=text, seed=args.seed, chunk=args.chunk,
-                                recon=args.recon, progress=args.progress)
-        print(f"perplexity of {args.predict} tokens after {args.context} tokens of context, "
-              f"{args.windows} window(s), seed {args.seed}")
-        print(markdown_table(rows))
-    else:
-        from .eval.report import _fmt
-        from .eval.retrieval import evaluate_retrieval
-
-        depths = [float(d) for d in args.depths.split(",") if d.strip()]
-        rows = evaluate_retrieval(model, tokenizer, specs, args.task, args.context, depths,
-                                  args.samples, args.seed, args.needles, args.max_new_tokens,
-                                  args.chunk, text=text, progress=args.progress)
-        print(f"task {args.task}, context {args.context}, depths {depths}, "
-              f"{args.samples} sample(s) per depth, seed {args.seed}")
-        print("| method | accuracy | by depth | held/fp16 |\n|---|---|---|---|")
-        for r in rows:
-            depth = ", ".join(f"{d}: {a:.2f}" for d, a in r["by_depth"].items())
-            print(f"| {r['method']} | {r['accuracy']:.2f} | {depth} | {_fmt(r['mem_ratio'])} |")
-    if args.json:
-        write_json(args.json, run_record(rows=rows, seed=args.seed, task=args.task))
+    record = run_eval(model, tokenizer, specs, args.task, params, text=text,
+                      text_name=args.text, seed=args.seed, chunk=args.chunk, recon=args.recon,
+                      depths=depths, n_needles=args.needles, max_tokens=args.max_new_tokens,
+                      progress=args.progress)
+    print(eval_markdown(record))
+    for path in write_eval_outputs(record, args.json, args.plot):
+        print(f"wrote {path}")
     return 0
 
 
@@ -166,6 +206,59 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_eval_parser(sub: Any) -> None:
+    """The ``eval`` subcommand and its options."""
+    p = sub.add_parser("eval", help="paired quality / retrieval of methods vs dense")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated method specs, e.g. 'none,affine:bits=4,xkv:rank_k=64' "
+                        "(default: the one given by --method and its option flags)")
+    p.add_argument("--task", default="ppl",
+                   choices=["ppl", "passkey", "needle", "needle_multi", "kv"])
+    p.add_argument("--contexts", "--context", dest="contexts", default=None,
+                   help="contexts in tokens, e.g. 2048,4096,8192 (default 2048; --quick 512)")
+    p.add_argument("--predict", type=int, default=None,
+                   help="ppl: tokens scored per window (default 256; --quick 64)")
+    p.add_argument("--windows", type=int, default=None,
+                   help="ppl: windows per context (default 8 up to 2k, 4 beyond; --quick 2)")
+    p.add_argument("--block", type=int, default=None,
+                   help="ppl: bootstrap block, in tokens (default 32; --quick 16)")
+    p.add_argument("--boot", type=int, default=None, help="ppl: bootstrap resamples")
+    p.add_argument("--memory-steps", type=int, default=None,
+                   help="decode steps of the real-memory measurement (default 16)")
+    p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9",
+                   help="retrieval: needle depths in [0, 1], used round-robin")
+    p.add_argument("--samples", type=int, default=None,
+                   help="retrieval: samples per method and context (default 20; --quick 6)")
+    p.add_argument("--needles", type=int, default=4, help="needle_multi / kv: needles / pairs")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="retrieval: answer length")
+    p.add_argument("--recon", action="store_true",
+                   help="ppl: per-layer K/V reconstruction error vs dense")
+    p.add_argument("--plot", default=None,
+                   help="ppl: write the real-memory vs ppl/KL plot to this PNG "
+                        "(one per context, suffixed, when there are several)")
+    add_common_eval_arguments(p)
+    add_method_arguments(p)
+    p.set_defaults(func=cmd_eval)
+
+
+def _add_bench_parser(sub: Any) -> None:
+    """The ``bench`` subcommand and its options."""
+    p = sub.add_parser("bench", help="memory, speed and quality sweep (JSON, Markdown, PNG)")
+    p.add_argument("--methods", default="none,affine:bits=4,affine:bits=8",
+                   help="comma-separated method specs")
+    p.add_argument("--contexts", default=None, help="bench contexts, e.g. 512,2048,4096")
+    p.add_argument("--context", type=int, default=None, help="context of the perplexity part")
+    p.add_argument("--predict", type=int, default=None)
+    p.add_argument("--windows", type=int, default=None)
+    p.add_argument("--decode-steps", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (median)")
+    p.add_argument("--out", default="bench-out", help="output folder")
+    p.add_argument("--matmul", action="store_true",
+                   help="only compare CPU matmul throughput with / without a fast BLAS")
+    add_common_eval_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="veloxquant", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,41 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     # eval / bench subcommands
-    p = sub.add_parser("eval", help="perplexity / retrieval of methods vs dense")
-    p.add_argument("--methods", default=None,
-                   help="comma-separated method specs, e.g. 'none,affine:bits=4,xkv:rank_k=64' "
-                        "(default: the one given by --method and its option flags)")
-    p.add_argument("--task", default="ppl",
-                   choices=["ppl", "passkey", "needle", "needle_multi", "kv"])
-    p.add_argument("--context", type=int, default=2048, help="tokens of context")
-    p.add_argument("--predict", type=int, default=256, help="ppl: tokens scored after it")
-    p.add_argument("--windows", type=int, default=2, help="ppl: text windows")
-    p.add_argument("--depths", default="0.1,0.5,0.9", help="retrieval: needle depths in [0, 1]")
-    p.add_argument("--samples", type=int, default=1, help="retrieval: samples per depth")
-    p.add_argument("--needles", type=int, default=4, help="needle_multi / kv: needles / pairs")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="retrieval: answer length")
-    p.add_argument("--recon", action="store_true",
-                   help="ppl: per-layer K/V reconstruction error vs dense")
-    add_common_eval_arguments(p)
-    add_method_arguments(p)
-    p.set_defaults(func=cmd_eval)
-
-    p = sub.add_parser("bench", help="memory, speed and quality sweep (JSON, Markdown, PNG)")
-    p.add_argument("--methods", default="none,affine:bits=4,affine:bits=8",
-                   help="comma-separated method specs")
-    p.add_argument("--contexts", default=None, help="bench contexts, e.g. 512,2048,4096")
-    p.add_argument("--context", type=int, default=None, help="context of the perplexity part")
-    p.add_argument("--predict", type=int, default=None)
-    p.add_argument("--windows", type=int, default=None)
-    p.add_argument("--decode-steps", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (median)")
-    p.add_argument("--quick", action="store_true",
-                   help="context 512, 1 window, 16 decode steps (minutes on 2 cores)")
-    p.add_argument("--out", default="bench-out", help="output folder")
-    p.add_argument("--matmul", action="store_true",
-                   help="only compare CPU matmul throughput with / without a fast BLAS")
-    add_common_eval_arguments(p)
-    p.set_defaults(func=cmd_bench)
+    _add_eval_parser(sub)
+    _add_bench_parser(sub)
 
     # serve subcommand
     from .integration.server import add_serve_arguments
@@ -242,8 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     from .integration.blas import ensure_fast_blas
 
     ensure_fast_blas(argv)
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except _user_errors() as exc:
+        # What the user asked for is not allowed: say so, without a traceback.
+        parser.exit(2, f"veloxquant {args.command}: error: {exc}\n")
 
 
 if __name__ == "__main__":

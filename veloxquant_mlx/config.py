@@ -1,208 +1,190 @@
-"""``KVCacheConfig``: one frozen dataclass with every method's options.
+"""``KVCacheConfig``: the method, its options object, and the few truly shared settings.
 
-Options that several methods share have one plain name (``bits``, ``group_size``,
-``window``); options that belong to one method carry its prefix (``xkv_rank_k``).
-The config is validated when it is built: general checks here, method-specific
-checks in the method's own ``validate_config`` (found through the registry).
+``KVCacheConfig(method="affine", bits=4)`` builds the method's own options dataclass
+(``AffineOptions(bits=4)``) from the keyword values; ``config.options`` holds it. The
+string form ``"affine:bits=4,window=32"`` (CLI, sweeps), ``to_dict``/``from_dict`` (saved
+caches, JSON) and ``to_file``/``from_file`` round-trip. Configs written by 0.1 (one flat
+dict with every method's prefixed fields) still load through ``from_dict``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-# Sentinel for "use the method's own default" on options whose meaning is shared.
-DEFAULT = None
+from .options import ConfigError, MethodOptions, config_error
+
+__all__ = ["ConfigError", "KVCacheConfig", "config_error", "parse_value"]
+
+SHARED_DEFAULTS: dict[str, Any] = {"max_ctx": 131072, "window_dtype": "float16"}
+SHARED = tuple(SHARED_DEFAULTS)
+WINDOW_DTYPES = (None, "float16", "bfloat16", "float32")
+_LEGACY_SHARED = ("method", "max_ctx", "window_dtype", "extra")
 
 
-class ConfigError(ValueError):
-    """A config field holds a value the method does not allow."""
+def _options_class(method: Any) -> type[MethodOptions]:
+    from .registry import get_method
+
+    if not isinstance(method, str):
+        raise config_error("method", method, "a method name string")
+    return get_method(method).Options
 
 
-def config_error(name: str, value: Any, allowed: str) -> ConfigError:
-    """Build the uniform error that names the field, the value and what is allowed."""
-    return ConfigError(f"KVCacheConfig.{name}={value!r} is not allowed: {allowed}")
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class KVCacheConfig:
     """How each layer's KV cache is compressed.
 
-    Shared options
-    --------------
     method: registered method name (``veloxquant methods`` lists them).
-    bits: quantization bits of codes (affine: 2,3,4,5,6,8; kivi: 2,4).
-    group_size: quantization group size (affine: 32, 64, 128; kivi: 32 by default).
-    window: recent tokens kept in full precision (affine, kivi, xkv, minicache,
-        xquant) or the recent-token window (streaming, snapkv observation window);
-        ``None`` means the method's default.
-    window_dtype: dtype of the full-precision window, ``"float16"``, ``"bfloat16"``,
+    options: the method's options dataclass; keyword values given to the constructor
+        (``bits=4``) fill it, unknown names are an error naming the method's options.
+    max_ctx: token budget per layer (and per cross-layer group); writing beyond raises.
+    window_dtype: dtype of full-precision windows, ``"float16"``, ``"bfloat16"``,
         ``"float32"`` or ``None`` (the model's compute dtype).
-    max_ctx: token budget per layer (and per xKV group); writing beyond it raises.
-
-    xKV (cross-layer SVD)
-    ---------------------
-    xkv_group_size: adjacent layers sharing one SVD (G).
-    xkv_rank_k / xkv_rank_v: ranks of the key / value factors (``None``: from
-        ``xkv_energy_threshold``).
-    xkv_energy_threshold: fraction of squared singular mass kept when no rank is given.
-    xkv_block: tokens of the group's basis block (one joint SVD); later tokens are
-        projected onto that basis in steps of 32; tokens not yet compressed stay in
-        the full-precision window.
-    xkv_factor_bits: quantize the factors to this many bits (``None``: keep float).
-    xkv_pre_rope: compress keys before RoPE (the cache undoes and re-applies it).
-    xkv_grouping: ``"contiguous"`` or ``"cka"`` (layers grouped by measured similarity).
-
-    KIVI: uses ``bits``, ``group_size`` and ``window`` (the residual length R).
-
-    StreamingLLM
-    ------------
-    streaming_sink: first tokens always kept (attention sinks).
-
-    SnapKV
-    ------
-    snapkv_capacity: prompt tokens kept per KV head (besides the observation window).
-    snapkv_kernel: pooling kernel over the token axis.
-    snapkv_pooling: ``"max"`` or ``"avg"``.
-
-    MiniCache
-    ---------
-    minicache_start_layer / minicache_end_layer: merged layer range (``None``: from
-        the middle of the model to its end).
-    minicache_t: SLERP interpolation parameter in [0, 1].
-    minicache_retention_threshold: fraction of tokens kept unmerged (most distant
-        directions).
-    minicache_bits: quantize the merged directions to this many bits (``None``: float).
-    minicache_retention: ``"fraction"`` (the most distant fraction of tokens) or
-        ``"paper"`` (distance below ``d_min + (d_max - d_min) * threshold``).
-
-    XQuant
-    ------
-    xquant_latent: for GQA models cache X in the latent space of the SVD of
-        the K/V projection weights.
-    xquant_anchor_bits: bits of the XQuant-CL anchor layer (``None``: 8).
     """
 
-    method: str = "none"
-    bits: int | None = DEFAULT
-    group_size: int | None = DEFAULT
-    window: int | None = DEFAULT
-    window_dtype: str | None = "float16"
-    max_ctx: int = 131072
+    method: str
+    options: MethodOptions
+    max_ctx: int
+    window_dtype: str | None
 
-    xkv_group_size: int = 4
-    xkv_rank_k: int | None = None
-    xkv_rank_v: int | None = None
-    xkv_energy_threshold: float = 0.95
-    xkv_block: int = 1024
-    xkv_factor_bits: int | None = None
-    xkv_pre_rope: bool = True
-    xkv_grouping: str = "contiguous"
+    def __init__(self, method: str = "none", options: MethodOptions | None = None, *,
+                 max_ctx: int = SHARED_DEFAULTS["max_ctx"],
+                 window_dtype: str | None = SHARED_DEFAULTS["window_dtype"],
+                 **option_values: Any) -> None:
+        cls = _options_class(method)
+        if options is None:
+            options = cls.from_kwargs(option_values)
+        elif not isinstance(options, cls):
+            raise config_error("options", options, f"a {cls.__name__} for method {method!r}")
+        elif option_values:
+            options = cls.from_kwargs(option_values, base=options)
+        for name, value in (("method", method), ("options", options), ("max_ctx", max_ctx),
+                            ("window_dtype", window_dtype)):
+            object.__setattr__(self, name, value)
+        if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or max_ctx < 1:
+            raise config_error("max_ctx", max_ctx, "a positive integer")
+        if window_dtype not in WINDOW_DTYPES:
+            raise config_error("window_dtype", window_dtype,
+                               "one of 'float16', 'bfloat16', 'float32' or None")
 
-    streaming_sink: int = 4
-
-    snapkv_capacity: int = 1024
-    snapkv_kernel: int = 7
-    snapkv_pooling: str = "max"
-
-    minicache_start_layer: int | None = None
-    minicache_end_layer: int | None = None
-    minicache_t: float = 0.5
-    minicache_retention_threshold: float = 0.05
-    minicache_bits: int | None = None
-    minicache_retention: str = "fraction"
-
-    xquant_latent: bool = True
-    xquant_anchor_bits: int | None = None
-
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        from .registry import get_method
-
-        if not isinstance(self.method, str):
-            raise config_error("method", self.method, "a method name string")
-        cls = get_method(self.method)
-        self._validate_general()
-        cls.validate_config(self)
-
-    def _validate_general(self) -> None:
-        for name in ("bits", "group_size", "window", "max_ctx"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise config_error(name, value, "an integer")
-            if value < 0 or (name != "window" and value == 0):
-                raise config_error(name, value, "a positive integer")
-        if self.window_dtype not in (None, "float16", "bfloat16", "float32"):
-            raise config_error(
-                "window_dtype", self.window_dtype,
-                "one of 'float16', 'bfloat16', 'float32' or None",
-            )
-        if not isinstance(self.xkv_energy_threshold, (int, float)) or not (
-            0.0 < self.xkv_energy_threshold <= 1.0
-        ) or math.isnan(self.xkv_energy_threshold):
-            raise config_error(
-                "xkv_energy_threshold", self.xkv_energy_threshold,
-                "a number in (0, 1]",
-            )
-
-    def get(self, name: str, default: Any) -> Any:
-        """The value of a shared option, or ``default`` when it is left unset."""
-        value = getattr(self, name)
-        return default if value is None else value
+    def __getattr__(self, name: str) -> Any:
+        # 0.1 read options as flat fields (``config.xkv_rank_k``); keep that working.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        options = self.__dict__.get("options")
+        field = options.resolve_name(name) if options is not None else None
+        if field is None:
+            raise AttributeError(f"KVCacheConfig of method {self.__dict__.get('method')!r} "
+                                 f"has no field or option {name!r}")
+        return getattr(options, field)
 
     def replace(self, **changes: Any) -> KVCacheConfig:
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with shared fields and/or options changed (validated again)."""
+        shared = {k: changes.pop(k) for k in (*SHARED, "method") if k in changes}
+        method = shared.pop("method", self.method)
+        options = changes.pop("options", self.options if method == self.method else None)
+        return KVCacheConfig(method, options, **{**self._shared(), **shared}, **changes)
 
+    def _shared(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in SHARED}
+
+    # ---- serialization ----
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of the fields (JSON-serializable), for saved caches and reports."""
-        out = dataclasses.asdict(self)
-        out.pop("extra", None)
-        return out
+        """Plain JSON-serializable dict (saved caches, reports, config files)."""
+        return {"method": self.method, **self._shared(), "options": self.options.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVCacheConfig:
-        """Rebuild a config from :meth:`to_dict`; unknown keys are an error."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        """Rebuild from :meth:`to_dict`, or from a 0.1 flat dict; unknown keys are an error."""
+        data = dict(data)
+        if "options" not in data:
+            return cls._from_legacy(data)
+        unknown = sorted(set(data) - {"method", "options", *SHARED})
         if unknown:
-            raise ConfigError(
-                f"unknown KVCacheConfig field(s) {unknown}; known fields: {sorted(names)}"
-            )
-        return cls(**data)
+            raise ConfigError(f"unknown KVCacheConfig field(s) {unknown}; known fields: "
+                              f"['method', 'options', {', '.join(map(repr, SHARED))}]")
+        method = data.pop("method", "none")
+        options = _options_class(method).from_kwargs(data.pop("options") or {})
+        return cls(method, options, **data)
+
+    @classmethod
+    def _from_legacy(cls, data: dict[str, Any]) -> KVCacheConfig:
+        """0.1 wrote every method's options flat; keep what applies to the method.
+
+        ``None`` meant "the method's default" and the other methods' fields were
+        ignored by 0.1 too, so both are dropped.
+        """
+        method = data.get("method", "none")
+        opts_cls = _options_class(method)
+        values = {}
+        for key, value in data.items():
+            if key in _LEGACY_SHARED or value is None:
+                continue
+            name = opts_cls.resolve_name(key)
+            if name is not None:
+                values[name] = value
+            elif not _known_legacy_field(key):
+                raise ConfigError(f"unknown KVCacheConfig field {key!r} in a saved config")
+        shared = {k: data[k] for k in SHARED if k in data}
+        return cls(method, opts_cls.from_kwargs(values), **shared)
+
+    def to_string(self) -> str:
+        """``method:key=value,...`` with the fields that differ from the defaults."""
+        changed = dict(self.options.changed())
+        changed.update({k: v for k, v in self._shared().items()
+                        if v != SHARED_DEFAULTS[k]})
+        items = ",".join(f"{k}={v}" for k, v in changed.items())
+        return self.method + (":" + items if items else "")
 
     @classmethod
     def from_string(cls, spec: str) -> KVCacheConfig:
-        """Parse ``"method:key=value,key=value"`` (the CLI's and sweep's syntax).
+        """Parse ``"method:key=value,key=value"`` (the CLI's and sweeps' syntax).
 
-        Keys may drop the method prefix: ``"xkv:rank_k=32"`` sets ``xkv_rank_k``.
+        Keys are the method's option names (``xkv:rank_k=32``); 0.1's prefixed names
+        (``xkv:xkv_rank_k=32``) and the shared ``max_ctx`` / ``window_dtype`` work too.
         """
         method, _, rest = spec.partition(":")
-        method = method.strip()
-        kwargs: dict[str, Any] = {}
-        names = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        values: dict[str, Any] = {}
         for item in filter(None, (p.strip() for p in rest.split(","))):
             key, sep, raw = item.partition("=")
             if not sep:
                 raise ConfigError(f"option {item!r} in {spec!r} is not of the form key=value")
-            key = key.strip()
-            prefix = method.split("_")[0] + "_"
-            if key not in names and prefix + key in names:
-                key = prefix + key
-            if key not in names:
-                raise ConfigError(
-                    f"unknown option {key!r} in {spec!r}; known fields: {sorted(names)}"
-                )
-            kwargs[key] = _parse_value(raw.strip())
-        return cls(method=method, **kwargs)
+            values[key.strip()] = parse_value(raw.strip())
+        return cls(method.strip(), **values)
+
+    def to_file(self, path: str | Path) -> None:
+        """Write the config as JSON (what ``--config FILE`` reads)."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> KVCacheConfig:
+        """Read a JSON config written by :meth:`to_file` (or by ``veloxquant tune``)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from exc
+        if isinstance(data, dict) and "config" in data and "method" not in data:
+            data = data["config"]  # a tuner result file: the chosen config inside
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a JSON object")
+        return cls.from_dict(data)
 
 
-def _parse_value(raw: str) -> Any:
+def _known_legacy_field(key: str) -> bool:
+    """Whether ``key`` was a field of 0.1's flat config (of some method)."""
+    from .registry import methods
+
+    return key in ("bits", "group_size", "window") or any(
+        cls.Options.resolve_name(key) is not None for cls in methods().values())
+
+
+def parse_value(raw: str) -> Any:
+    """``"none"`` -> None, ``"true"`` -> True, numbers -> int/float, else the string."""
     low = raw.lower()
     if low in ("none", "null"):
         return None

@@ -1,118 +1,77 @@
-"""Method registry: a name maps to the cache class that implements it.
+"""Method registry: every cache class decorated with ``@register`` under ``cache/``.
 
-Classes are imported lazily, so a method's module is only loaded when it is used
-and ``veloxquant methods`` stays fast.
+A method is one module in ``veloxquant_mlx/cache/`` whose cache class carries
+``@register``; the registry imports the modules of that package by name the first
+time a method is looked up, so adding a method touches no other file.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import pkgutil
+from typing import Any
+
+_METHODS: dict[str, type] = {}
+_DISCOVERED = False
+_PACKAGE = "veloxquant_mlx.cache"
 
 
-@dataclass(frozen=True)
-class MethodInfo:
-    """What the registry knows about one method."""
+def register(cls: type) -> type:
+    """Class decorator: make ``cls`` (a ``CompressedCache``) the method ``cls.method``."""
+    name = getattr(cls, "method", "")
+    if not name:
+        raise ValueError(f"{cls.__qualname__} has no 'method' name to register under")
+    other = _METHODS.get(name)
+    if other is not None and other is not cls and other.__qualname__ != cls.__qualname__:
+        raise ValueError(f"method {name!r} is registered twice ({other.__qualname__}, "
+                         f"{cls.__qualname__})")
+    if "Options" not in cls.__dict__:
+        # Each method owns its options class; a method without options gets its own
+        # empty subclass so that error messages name it.
+        from .options import MethodOptions
 
-    name: str
-    family: str  # "reference", "quantization", "low-rank", "eviction", "merging", ...
-    paper: str
-    stores: str
-    target: str  # "module:ClassName"
-    cross_layer: bool = False
-    status: str = "implemented"
-
-
-_METHODS: dict[str, MethodInfo] = {}
-
-
-def register(info: MethodInfo) -> None:
-    """Add a method; a second method under the same name is an error."""
-    if info.name in _METHODS:
-        raise ValueError(f"method {info.name!r} is registered twice")
-    _METHODS[info.name] = info
+        cls.Options = type(f"{cls.__name__}Options", (MethodOptions,), {})
+    cls.Options.method = name
+    _METHODS[name] = cls
+    return cls
 
 
-for _info in (
-    MethodInfo("none", "reference", "-", "full-precision K and V (mlx_lm KVCache layout)",
-               "veloxquant_mlx.cache.dense:DenseCache"),
-    MethodInfo("affine", "quantization", "MLX affine quantization (mx.quantize)",
-               "K and V codes + per-group scale/bias, optional fp window",
-               "veloxquant_mlx.cache.affine:AffineCache"),
-    MethodInfo("kivi", "quantization",
-               "KIVI, Liu et al., ICML 2024 (arXiv 2402.02750)",
-               "K per-channel / V per-token packed codes + fp residual window",
-               "veloxquant_mlx.cache.kivi:KIVICache"),
-    MethodInfo("streaming", "eviction",
-               "StreamingLLM, Xiao et al., ICLR 2024 (arXiv 2309.17453)",
-               "sink tokens + recent window (fixed size)",
-               "veloxquant_mlx.cache.streaming:StreamingCache"),
-    MethodInfo("snapkv", "eviction", "SnapKV, Li et al., 2024 (arXiv 2404.14469)",
-               "top-capacity prompt tokens per KV head + observation window",
-               "veloxquant_mlx.cache.snapkv:SnapKVCache"),
-    MethodInfo("xkv", "low-rank (cross-layer)",
-               "xKV, Chang et al., 2025 (arXiv 2503.18893)",
-               "shared token factor per layer group + per-layer factors + fp window",
-               "veloxquant_mlx.cache.xkv:XKVCache", cross_layer=True),
-    MethodInfo("minicache", "merging (cross-layer)",
-               "MiniCache, Liu et al., NeurIPS 2024 (arXiv 2405.14366)",
-               "one SLERP direction per token per layer pair + magnitudes + retained tokens",
-               "veloxquant_mlx.cache.minicache:MiniCacheCache", cross_layer=True),
-    MethodInfo("xquant", "quantization (rematerialize)",
-               "XQuant, Tomar et al., 2025 (arXiv 2508.10395)",
-               "quantized attention input X; K and V rematerialized",
-               "veloxquant_mlx.cache.xquant:XQuantCache", cross_layer=False),
-    MethodInfo("xquant_cl", "quantization (cross-layer)",
-               "XQuant-CL, Tomar et al., 2025 (arXiv 2508.10395)",
-               "anchor X + quantized cross-layer deltas of X",
-               "veloxquant_mlx.cache.xquant:XQuantCLCache", cross_layer=True),
-):
-    register(_info)
+def _discover() -> None:
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    package = importlib.import_module(_PACKAGE)
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{_PACKAGE}.{info.name}")
+    _DISCOVERED = True
 
 
-def method_info(name: str) -> MethodInfo:
-    """The registry entry of ``name``; unknown names list the known ones."""
-    try:
-        return _METHODS[name]
-    except KeyError:
-        from .config import config_error
-
-        raise config_error("method", name, f"one of {sorted(_METHODS)}") from None
+def methods() -> dict[str, type]:
+    """Every registered method name and its cache class (the reference ``none`` first)."""
+    _discover()
+    return dict(sorted(_METHODS.items(), key=lambda kv: kv[1].family != "reference"))
 
 
 def get_method(name: str) -> type:
-    """The cache class of method ``name`` (imported on first use)."""
-    info = method_info(name)
-    module_name, _, class_name = info.target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:
-            raise NotImplementedError(
-                f"method {name!r} is registered but its module {module_name} is not "
-                "available in this build"
-            ) from exc
-        raise
-    return getattr(module, class_name)
+    """The cache class of method ``name``; unknown names list the known ones."""
+    found = methods().get(name)
+    if found is None:
+        from .options import config_error
+
+        raise config_error("method", name, f"one of {sorted(_METHODS)}")
+    return found
 
 
-def list_methods() -> list[dict[str, str]]:
-    """Each method's name, family, paper, what it stores and status."""
-    rows = []
-    for info in _METHODS.values():
-        try:
-            importlib.import_module(info.target.partition(":")[0])
-            status = info.status
-        except ModuleNotFoundError:
-            status = "planned"
-        rows.append(
-            {
-                "name": info.name,
-                "family": info.family,
-                "paper": info.paper,
-                "stores": info.stores,
-                "cross_layer": "yes" if info.cross_layer else "no",
-                "status": status,
-            }
-        )
-    return rows
+def list_methods() -> list[dict[str, Any]]:
+    """Each method's name, family, paper, what it stores and its option names."""
+    return [
+        {
+            "name": name,
+            "family": cls.family,
+            "paper": cls.paper,
+            "stores": cls.stores,
+            "cross_layer": "yes" if cls.cross_layer else "no",
+            "options": cls.Options.field_names(),
+        }
+        for name, cls in methods().items()
+    ]

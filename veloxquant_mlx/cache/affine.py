@@ -13,6 +13,7 @@ quantized part and the window separately, joined only at the scores (see
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -20,7 +21,9 @@ import mlx.core as mx
 from ..config import KVCacheConfig
 from ..ops import quantize as q
 from ..ops.attention import split_attention
-from .base import CompressedCache, require_group_divides, require_int
+from ..options import MethodOptions
+from ..registry import register
+from .base import CompressedCache, LayerInfo, require_group_divides
 
 
 def reserve(n: int) -> int:
@@ -28,33 +31,52 @@ def reserve(n: int) -> int:
     return n // 32
 
 
+@dataclass(frozen=True)
+class AffineOptions(MethodOptions):
+    """MLX's affine quantization (``mx.quantize``), per token along the head dimension.
+
+    bits: code width; group_size: values sharing one scale and bias; window: most
+    recent tokens kept in full precision.
+    """
+
+    bits: int = 4
+    group_size: int = 64
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        self.check_int("bits", q.AFFINE_BITS)
+        self.check_int("group_size", q.AFFINE_GROUP_SIZES)
+        self.check_int("window", minimum=0)
+
+
+@register
 class AffineCache(CompressedCache):
     """Quantized K and V codes with per-group scales/biases, plus an fp window."""
 
     method = "affine"
+    family = "quantization"
+    paper = "MLX affine quantization (mx.quantize)"
+    stores = "K and V codes + per-group scale/bias, optional fp window"
+    Options = AffineOptions
+    attends = True
+    meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
     compute_dtype = mx.float32
     # Multiply on the packed codes (``mx.quantized_matmul``) instead of dequantizing
     # into a transient first; see the measurements in docs/methods/affine.md.
     use_quantized_matmul: ClassVar[bool] = False
 
-    def __init__(self, config: KVCacheConfig, layer=None) -> None:
+    def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
-        self.n_bits = config.get("bits", 4)
-        self.group_size = config.get("group_size", 64)
-        self.window = config.get("window", 0)
+        self.n_bits = self.opts.bits
+        self.group_size = self.opts.group_size
+        self.window = self.opts.window
         # [codes, scales, biases] buffers of keys and values; the first n_q slots are used.
         self.kbuf: list[mx.array] | None = None
         self.vbuf: list[mx.array] | None = None
         self.n_q = 0
         self.win_keys: mx.array | None = None
         self.win_values: mx.array | None = None
-        require_group_divides(self.layer, self.group_size)
-
-    @classmethod
-    def validate_config(cls, config: KVCacheConfig) -> None:
-        require_int("bits", config.get("bits", 4), q.AFFINE_BITS)
-        require_int("group_size", config.get("group_size", 64), q.AFFINE_GROUP_SIZES)
-        require_int("window", config.get("window", 0), minimum=0)
+        require_group_divides(self.layer, self.group_size, self.method)
 
     # ---- the quantized part ----
     def _part(self, buf: list[mx.array] | None) -> q.Quantized | None:
@@ -161,15 +183,6 @@ class AffineCache(CompressedCache):
         self.kbuf = None if v[2] is None else list(v[2:5])
         self.vbuf = None if v[5] is None else list(v[5:8])
         self.n_q = 0 if v[2] is None else v[2].shape[2]
-
-    @property
-    def meta_state(self):
-        return (*super().meta_state, str(self.n_bits), str(self.group_size), str(self.window))
-
-    @meta_state.setter
-    def meta_state(self, v) -> None:
-        self.offset, self.batch_size = int(v[0]), int(v[1])
-        self.n_bits, self.group_size, self.window = int(v[2]), int(v[3]), int(v[4])
 
     # ---- trimming (prompt-cache reuse across chat turns) ----
     def is_trimmable(self) -> bool:

@@ -1,26 +1,49 @@
-"""The cache protocol every method implements.
+"""The cache contract every method implements.
 
 A cache is one object per layer that mlx_lm's models call exactly like its own
 ``KVCache``: ``update_and_fetch(keys, values)`` with ``[B, n_kv_heads, L, head_dim]``
 arrays, ``offset``, ``make_mask``, ``state``/``meta_state``, ``trim``.
 
-Methods that cannot hand back dense keys and values (low-rank factors, eviction)
-implement ``attend(queries, scale, mask)``; the attention routing in
-``veloxquant_mlx.integration.mlx_lm`` then calls it instead of the dense kernel.
-Their ``update_and_fetch`` returns only the new chunk, never a reconstruction.
+Required (abstract): ``update_and_fetch``, ``held_arrays``, ``accounted_bytes`` and
+``state`` (property and setter). Optional capabilities, with the defaults below:
+
+- ``attends = True`` + ``attend(queries, scale, mask)``: the cache runs attention over
+  its compressed form; the attention routing (``integration.mlx_lm``) calls it, and
+  ``update_and_fetch`` returns only the new chunk, never a reconstruction.
+- ``dense_kv()``: a transient dense copy for diagnostics (reconstruction error).
+- ``is_trimmable()`` / ``trim(n)``: drop tokens from the end (default: not trimmable).
+- ``supports_batching`` / ``merge``: mlx_lm batches (default: per-sequence caches in a
+  ``BatchedCache``).
+- ``meta_fields``: attribute names that ``meta_state`` saves and restores, in order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+import copyreg
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
+from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from ..config import KVCacheConfig, config_error
+from ..config import KVCacheConfig
+from ..options import MethodOptions, config_error
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+# mlx_lm deep-copies caches (prompt-cache reuse, batch splits); caches and their
+# coordinators hold mx.Dtype values, which are not deep-copyable by default.
+def _dtype_named(name: str) -> mx.Dtype:
+    return getattr(mx, name)
+
+
+copyreg.pickle(mx.Dtype, lambda d: (_dtype_named, (str(d).rpartition(".")[2],)))
+
+
+class NotTrimmableError(ValueError, NotImplementedError):
+    """A cache cannot drop tokens from its end."""
 
 
 @dataclass
@@ -47,7 +70,10 @@ class LayerInfo:
     # Not saved: live objects injected by the builder.
     coordinator: Any = field(default=None, repr=False, compare=False)
     attention: Any = field(default=None, repr=False, compare=False)
+    block: Any = field(default=None, repr=False, compare=False)
     model_type: str = ""
+
+    LIVE: ClassVar[tuple[str, ...]] = ("coordinator", "attention", "block")
 
     def __post_init__(self) -> None:
         if self.v_head_dim is None:
@@ -55,52 +81,79 @@ class LayerInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """Serializable part (no live objects)."""
-        return {
-            k: getattr(self, k)
-            for k in self.__dataclass_fields__
-            if k not in ("coordinator", "attention")
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.LIVE}
 
     def __deepcopy__(self, memo: dict) -> LayerInfo:
-        # mlx_lm deep-copies batch caches; share the live attention module (weights)
-        # instead of copying it, but copy the coordinator (per-sequence state).
-        import copy
-
+        # Copying a cache must not copy the model: share the live modules (weights), but
+        # copy the coordinator (per-sequence state).
         out = copy.copy(self)
         memo[id(self)] = out
         out.coordinator = copy.deepcopy(self.coordinator, memo)
         return out
 
 
-class CompressedCache(_BaseCache):
-    """Base class of every veloxquant cache (one per layer).
+def _meta_str(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value))
+    return str(value)
 
-    Subclasses set ``method`` and implement ``update_and_fetch``, ``held_arrays``
-    and ``accounted_bytes``; ``attend`` when the method runs its own attention.
-    """
 
+class CompressedCache(_BaseCache, ABC):
+    """Base class of every veloxquant cache (one per layer); see the module docstring."""
+
+    # Registry facts (``veloxquant methods``), set by each method class.
     method: ClassVar[str] = ""
+    family: ClassVar[str] = ""
+    paper: ClassVar[str] = "-"
+    stores: ClassVar[str] = ""
+    cross_layer: ClassVar[bool] = False
+    Options: ClassVar[type[MethodOptions]] = MethodOptions
+    # Capabilities.
+    attends: ClassVar[bool] = False
+    supports_batching: ClassVar[bool] = True
+    meta_fields: ClassVar[tuple[str, ...]] = ("offset", "batch_size")
+    # How a meta field is parsed back from its string (default: int).
+    meta_types: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         self.config = config
+        self.opts = config.options
         self.layer = layer or LayerInfo()
         self.offset = 0
         self.batch_size = 0
 
-    # ---- configuration ----
-    @classmethod
-    def validate_config(cls, config: KVCacheConfig) -> None:
-        """Raise ``ConfigError`` for options this method does not allow."""
+    # ---- required ----
+    @abstractmethod
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store a chunk; return dense keys/values, or the chunk itself when ``attends``."""
 
+    @abstractmethod
+    def held_arrays(self) -> list[mx.array]:
+        """Every array this cache keeps alive (compressed form, window, installed state)."""
+
+    @abstractmethod
+    def accounted_bytes(self) -> int:
+        """Bytes the method's own storage formula gives for what is held."""
+
+    @property
+    @abstractmethod
+    def state(self) -> Any:
+        """Arrays (possibly nested lists) that rebuild the cache with ``meta_state``."""
+
+    @state.setter
+    @abstractmethod
+    def state(self, v: Any) -> None: ...
+
+    # ---- building (class-level hooks of the builder) ----
     @classmethod
     def supports_layer(cls, layer_cache: Any) -> bool:
         """Whether this method replaces the model's own cache of this layer.
 
-        Plain full-attention layers use ``mlx_lm``'s ``KVCache``; sliding-window and
+        Plain full-attention layers use mlx_lm's ``KVCache``; sliding-window and
         recurrent layers keep their own cache unless a method overrides this.
         """
-        from mlx_lm.models.cache import KVCache
-
         return type(layer_cache) is KVCache
 
     @classmethod
@@ -116,57 +169,59 @@ class CompressedCache(_BaseCache):
     @classmethod
     def after_build(cls, caches: list[CompressedCache], config: KVCacheConfig,
                     model: Any) -> None:
-        """Hook run once all caches of a model are built (e.g. to link layer pairs)."""
+        """Hook run once all caches of a model are built (link pairs, install hooks)."""
+
+    @classmethod
+    def detach(cls, model: Any) -> None:
+        """Remove whatever ``after_build`` installed on ``model`` (default: nothing)."""
 
     @classmethod
     def from_saved(cls, config: KVCacheConfig, layer: LayerInfo, state: Any,
                    meta_state: tuple[str, ...]) -> CompressedCache:
-        """Rebuild a cache saved by ``save_prompt_cache``.
+        """Rebuild a saved cache: ``meta_state`` first (it says how ``state`` is laid out).
 
         ``layer`` already carries the roles and the fresh coordinator that
-        ``assign_roles`` injected. ``meta_state`` is applied first: it says how the
-        ``state`` list is laid out (bits, ranks, counts).
+        ``assign_roles`` injected.
         """
         cache = cls(config, layer)
         cache.meta_state = meta_state
         cache.state = state
         return cache
 
-    # ---- batches (mlx_lm BatchGenerator) ----
-    # Methods that cannot run as a batch of per-sequence caches set this to False.
-    supports_batching: ClassVar[bool] = True
+    # ---- optional capabilities ----
+    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        """Attention of ``queries`` over everything held (only when ``attends``)."""
+        raise NotImplementedError(f"{type(self).__name__} ({self.method!r}) does not run "
+                                  "its own attention")
+
+    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+        """A transient dense copy of the keys/values held (diagnostics only)."""
+        raise NotImplementedError(f"{type(self).__name__} ({self.method!r}) has no dense "
+                                  "reconstruction of its keys and values")
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        raise NotTrimmableError(
+            f"{type(self).__name__} ({self.method!r}) is not trimmable: its compressed "
+            "form cannot drop tokens from the end")
 
     @classmethod
     def merge(cls, caches: list[Any]) -> Any:
-        """One batch cache over per-sequence caches (``mlx_lm``'s ``_merge_caches``).
-
-        The default keeps every sequence's compressed cache (and its coordinator) as
-        it is and runs attention per sequence: see ``integration/batch.py``.
-        """
+        """One batch cache over per-sequence caches (mlx_lm's ``_merge_caches``)."""
         if not cls.supports_batching:
             raise NotImplementedError(
                 f"method {cls.method!r} does not support batch merging: generate one "
-                "sequence at a time"
-            )
-        from ..integration.batch import BatchedCache
+                "sequence at a time")
+        from .batch import BatchedCache
 
         return BatchedCache.merge(caches)
-
-    def __deepcopy__(self, memo: dict) -> CompressedCache:
-        # mlx_lm deep-copies batch caches; mx.Dtype values cannot be deep-copied.
-        import copy
-
-        out = type(self).__new__(type(self))
-        memo[id(self)] = out
-        for k, v in self.__dict__.items():
-            setattr(out, k, v if isinstance(v, mx.Dtype) else copy.deepcopy(v, memo))
-        return out
 
     def _batch_only(self, name: str) -> NotImplementedError:
         return NotImplementedError(
             f"{type(self).__name__} ({self.method!r}): {name} is defined on a merged "
-            "batch cache; merge per-sequence caches first with merge([...])"
-        )
+            "batch cache; merge per-sequence caches first with merge([...])")
 
     def extract(self, idx: int) -> Any:
         raise self._batch_only("extract")
@@ -184,17 +239,9 @@ class CompressedCache(_BaseCache):
         raise self._batch_only("finalize")
 
     # ---- storage accounting ----
-    def held_arrays(self) -> list[mx.array]:
-        """Every array this cache holds (compressed form and window)."""
-        raise NotImplementedError
-
-    def accounted_bytes(self) -> int:
-        """Bytes the method's own storage formula gives for the tokens held."""
-        raise NotImplementedError
-
     @property
     def nbytes(self) -> int:
-        """Bytes of the arrays actually held (what memory really costs)."""
+        """Bytes of the distinct arrays held (what the cache declares it costs)."""
         seen: set[int] = set()
         total = 0
         for a in self.held_arrays():
@@ -224,23 +271,11 @@ class CompressedCache(_BaseCache):
         }
 
     # ---- mlx_lm protocol ----
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        raise NotImplementedError
-
     def size(self) -> int:
         return self.offset
 
     def empty(self) -> bool:
         return self.offset == 0
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    def trim(self, n: int) -> int:
-        raise NotImplementedError(
-            f"{type(self).__name__} ({self.method!r}) is not trimmable: its compressed "
-            "form cannot drop tokens from the end"
-        )
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return create_attention_mask(N, offset=self.offset, return_array=return_array,
@@ -248,11 +283,15 @@ class CompressedCache(_BaseCache):
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        return (str(self.offset), str(self.batch_size))
+        return tuple(_meta_str(getattr(self, name)) for name in self.meta_fields)
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
-        self.offset, self.batch_size = int(v[0]), int(v[1])
+        if len(v) < len(self.meta_fields):
+            raise ValueError(f"{type(self).__name__}: meta_state has {len(v)} entries, "
+                             f"expected {len(self.meta_fields)} ({', '.join(self.meta_fields)})")
+        for name, text in zip(self.meta_fields, v):
+            setattr(self, name, self.meta_types.get(name, int)(text))
 
     # ---- helpers for subclasses ----
     def window_dtype(self, compute_dtype: mx.Dtype) -> mx.Dtype:
@@ -261,53 +300,42 @@ class CompressedCache(_BaseCache):
         return compute_dtype if name is None else DTYPES[name]
 
     def check_input(self, keys: mx.array, values: mx.array) -> None:
-        """Shapes must match the layer this cache was built for."""
+        """Shapes must match the layer this cache was built for; values must be finite."""
         if keys.ndim != 4 or values.ndim != 4:
             raise ValueError(
                 f"{self.method}: keys/values must be [B, n_kv_heads, L, head_dim], got "
-                f"keys {tuple(keys.shape)} and values {tuple(values.shape)}"
-            )
-        if self.offset == 0 and hasattr(self, "attend"):
-            from ..integration.mlx_lm import routing_installed
-
-            if not routing_installed():
-                raise RuntimeError(
-                    f"{type(self).__name__} runs its own attention, but attention routing "
-                    "is not installed: build caches with KVCacheBuilder.for_model or call "
-                    "veloxquant_mlx.integration.mlx_lm.install_attention_routing(model)"
-                )
+                f"keys {tuple(keys.shape)} and values {tuple(values.shape)}")
         B, H, L, D = keys.shape
         if H != self.layer.n_kv_heads or D != self.layer.head_dim:
             raise ValueError(
                 f"{self.method} cache of layer {self.layer.layer_idx}: keys shape "
                 f"{tuple(keys.shape)} does not match n_kv_heads={self.layer.n_kv_heads}, "
-                f"head_dim={self.layer.head_dim}"
-            )
+                f"head_dim={self.layer.head_dim}")
         if values.shape[:3] != (B, H, L) or values.shape[3] != self.layer.v_head_dim:
             raise ValueError(
                 f"{self.method} cache of layer {self.layer.layer_idx}: values shape "
                 f"{tuple(values.shape)} does not match keys {tuple(keys.shape)} / "
-                f"v_head_dim={self.layer.v_head_dim}"
-            )
+                f"v_head_dim={self.layer.v_head_dim}")
         if self.batch_size and B != self.batch_size:
-            raise ValueError(
-                f"{self.method}: batch size changed from {self.batch_size} to {B}"
-            )
+            raise ValueError(f"{self.method}: batch size changed from {self.batch_size} to {B}")
         if L > 1 and not mx.all(mx.isfinite(keys) & mx.isfinite(values)).item():
             # Checked on prompt chunks only: a check per decode step would force a sync
             # in every layer. Compressing NaN/Inf would silently poison the whole cache.
             raise ValueError(
                 f"{self.method} cache of layer {self.layer.layer_idx}: keys/values contain "
-                "NaN or Inf; only finite values can be cached"
-            )
-        if self.offset + L > self.config.max_ctx:
+                "NaN or Inf; only finite values can be cached")
+        self.check_budget(L)
+
+    def check_budget(self, n_new: int) -> None:
+        """Writing ``n_new`` more tokens must stay within ``KVCacheConfig.max_ctx``."""
+        if self.offset + n_new > self.config.max_ctx:
             raise ValueError(
-                f"{self.method} cache of layer {self.layer.layer_idx}: {self.offset + L} "
-                f"tokens exceed KVCacheConfig.max_ctx={self.config.max_ctx}"
-            )
+                f"{self.method} cache of layer {self.layer.layer_idx}: {self.offset + n_new} "
+                f"tokens exceed KVCacheConfig.max_ctx={self.config.max_ctx}")
 
 
-def require_group_divides(layer: LayerInfo, group_size: int) -> None:
+def require_group_divides(layer: LayerInfo, group_size: int, owner: str = "KVCacheConfig"
+                          ) -> None:
     """``group_size`` must divide the layer's key and value head dims."""
     for name, d in (("head_dim", layer.head_dim), ("v_head_dim", layer.v_head_dim)):
         if d % group_size:
@@ -315,15 +343,4 @@ def require_group_divides(layer: LayerInfo, group_size: int) -> None:
             raise config_error(
                 "group_size", group_size,
                 f"a divisor of {name}={d} of layer {layer.layer_idx} (one of {divisors})",
-            )
-
-
-def require_int(name: str, value: Any, allowed: tuple[int, ...] | None = None,
-                minimum: int | None = None) -> None:
-    """Shared validation of an integer option."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise config_error(name, value, "an integer")
-    if allowed is not None and value not in allowed:
-        raise config_error(name, value, f"one of {list(allowed)}")
-    if minimum is not None and value < minimum:
-        raise config_error(name, value, f"an integer >= {minimum}")
+                owner)

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..registry import register
 from .base import CompressedCache
 
 
+@register
 class DenseCache(CompressedCache):
     """Full-precision keys and values, grown in steps like mlx_lm's ``KVCache``."""
 
     method = "none"
+    family = "reference"
+    stores = "full-precision K and V (mlx_lm KVCache layout)"
     step = 256
 
     def __init__(self, config, layer=None) -> None:

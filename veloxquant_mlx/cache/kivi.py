@@ -21,51 +21,68 @@ see docs/methods/kivi.md); ``use_quantized_matmul = True`` selects the latter.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig, config_error
+from ..config import KVCacheConfig
 from ..ops import quantize as q
 from ..ops.attention import masked_softmax
-from .base import CompressedCache, LayerInfo, require_group_divides, require_int
+from ..options import MethodOptions
+from ..registry import register
+from .base import CompressedCache, LayerInfo, require_group_divides
 
 KIVI_BITS = (2, 4)
-DEFAULT_BITS, DEFAULT_GROUP_SIZE, DEFAULT_WINDOW = 2, 32, 128
 
 
+@dataclass(frozen=True)
+class KIVIOptions(MethodOptions):
+    """KIVI (Liu et al., ICML 2024, https://arxiv.org/abs/2402.02750).
+
+    bits: code width of keys and values; group_size: tokens per key group (per
+    channel) and channels per value group (per token); window: the full-precision
+    residual R, a multiple of ``group_size``.
+    """
+
+    bits: int = 2
+    group_size: int = 32
+    window: int = 128
+
+    def __post_init__(self) -> None:
+        self.check_int("bits", KIVI_BITS)
+        self.check_int("group_size", q.AFFINE_GROUP_SIZES)
+        self.check_int("window", minimum=0)
+        if self.window == 0 or self.window % self.group_size:
+            raise self.error("window", f"a positive multiple of group_size={self.group_size} "
+                             "(KIVI quantizes the key residual in blocks of window tokens)")
+
+
+@register
 class KIVICache(CompressedCache):
     """Per-channel key codes, per-token value codes, and a full-precision residual."""
 
     method = "kivi"
+    family = "quantization"
+    paper = "KIVI, Liu et al., ICML 2024 (arXiv 2402.02750)"
+    stores = "K per-channel / V per-token packed codes + fp residual window"
+    Options = KIVIOptions
+    attends = True
+    meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
     # Attend on the packed codes (mx.quantized_matmul) instead of a dequantized transient.
     use_quantized_matmul = False
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
-        self.n_bits = config.get("bits", DEFAULT_BITS)
-        self.group_size = config.get("group_size", DEFAULT_GROUP_SIZE)
-        self.window = config.get("window", DEFAULT_WINDOW)
+        self.n_bits = self.opts.bits
+        self.group_size = self.opts.group_size
+        self.window = self.opts.window
         self.qkeys: q.Quantized | None = None  # [B, H, D, Tk * bits / 32], packed along tokens
         self.qvalues: q.Quantized | None = None  # [B, H, Tv, Dv * bits / 32]
         self.res_keys: mx.array | None = None
         self.res_values: mx.array | None = None
         self.compute_dtype = mx.float32
-        require_group_divides(self.layer, self.group_size)
-
-    @classmethod
-    def validate_config(cls, config: KVCacheConfig) -> None:
-        require_int("bits", config.get("bits", DEFAULT_BITS), KIVI_BITS)
-        gs = config.get("group_size", DEFAULT_GROUP_SIZE)
-        require_int("group_size", gs, q.AFFINE_GROUP_SIZES)
-        window = config.get("window", DEFAULT_WINDOW)
-        require_int("window", window, minimum=0)
-        if window == 0 or window % gs:
-            raise config_error(
-                "window", window,
-                f"a positive multiple of group_size={gs} (KIVI quantizes the key "
-                "residual in blocks of window tokens)",
-            )
+        require_group_divides(self.layer, self.group_size, self.method)
 
     # ---- storage ----
     def _flush(self) -> None:
@@ -187,12 +204,3 @@ class KIVICache(CompressedCache):
                                                            self.group_size)
         self.qvalues = None if v[5] is None else q.Quantized(*v[5:8], self.n_bits,
                                                              self.group_size)
-
-    @property
-    def meta_state(self):
-        return (*super().meta_state, str(self.n_bits), str(self.group_size), str(self.window))
-
-    @meta_state.setter
-    def meta_state(self, v) -> None:
-        self.offset, self.batch_size = int(v[0]), int(v[1])
-        self.n_bits, self.group_size, self.window = int(v[2]), int(v[3]), int(v[4])

@@ -6,58 +6,97 @@ layer keeps its own per-token magnitudes, and the most distant token pairs stay
 unmerged (retained) for both layers. The pair's storage lives in a
 ``MiniCacheCoordinator`` (one per model); this cache is the per-layer view that
 mlx_lm calls. Layers outside the range (and a last unpaired layer) keep float16
-keys/values, or affine codes when ``minicache_bits`` is set. Saved prompt caches
+keys/values, or affine codes when the option ``bits`` is set. Saved prompt caches
 round-trip: each layer saves its own share of the pair's store (``state``) and, on
 load, refills it into the fresh coordinator that ``assign_roles`` injected.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig, config_error
+from ..config import KVCacheConfig
 from ..ops import quantize as q
 from ..ops.attention import sdpa
-from .base import CompressedCache, LayerInfo, require_int
+from ..options import MethodOptions, config_error
+from ..registry import register
+from .base import CompressedCache, LayerInfo
 from .minicache_coordinator import MiniCacheCoordinator
 
 RETENTION_RULES = ("fraction", "paper")
-DEFAULT_WINDOW = 64  # block merging: measured better perplexity than merging each token
 
 
-def merge_range(config: KVCacheConfig, n_layers: int) -> tuple[int, int]:
+@dataclass(frozen=True)
+class MiniCacheOptions(MethodOptions):
+    """MiniCache (Liu et al., NeurIPS 2024, https://arxiv.org/abs/2405.14366).
+
+    start_layer / end_layer: merged layer range (``None``: from the middle of the model
+    to its end); t: SLERP interpolation parameter; retention_threshold: gamma of the
+    retention rule; retention: ``"fraction"`` (the most distant fraction of tokens stays
+    unmerged) or ``"paper"`` (distance below ``d_min + (d_max - d_min) * gamma``);
+    bits / group_size: affine codes for the merged directions (``None``: float16);
+    window: recent tokens kept unmerged (merging in blocks measured better than per token).
+    """
+
+    start_layer: int | None = None
+    end_layer: int | None = None
+    t: float = 0.5
+    retention_threshold: float = 0.05
+    retention: str = "fraction"
+    bits: int | None = None
+    group_size: int | None = None
+    window: int = 64
+
+    legacy_names = {"minicache_bits": "bits"}
+
+    def __post_init__(self) -> None:
+        self.check_int("start_layer", minimum=0, optional=True)
+        self.check_int("end_layer", minimum=0, optional=True)
+        if None not in (self.start_layer, self.end_layer) and \
+                self.end_layer <= self.start_layer:
+            raise self.error("end_layer", f"a layer index > start_layer={self.start_layer}")
+        self.check_number("t", 0.0, 1.0)
+        self.check_number("retention_threshold", 0.0, 1.0, high_open=True)
+        self.check_choice("retention", RETENTION_RULES)
+        self.check_int("bits", q.AFFINE_BITS, optional=True)
+        self.check_int("group_size", q.AFFINE_GROUP_SIZES, optional=True)
+        self.check_int("window", minimum=0)
+
+
+def merge_range(opts: MiniCacheOptions, n_layers: int) -> tuple[int, int]:
     """First and last (inclusive) model layer index of the merge range."""
-    start = config.minicache_start_layer
-    end = config.minicache_end_layer
-    start = n_layers // 2 if start is None else start
-    end = n_layers - 1 if end is None else end
+    start = n_layers // 2 if opts.start_layer is None else opts.start_layer
+    end = n_layers - 1 if opts.end_layer is None else opts.end_layer
+    where = f"a layer index in [0, {n_layers - 1}] (the model has {n_layers} layers)"
     if not 0 <= start < n_layers:
-        raise config_error("minicache_start_layer", config.minicache_start_layer,
-                           f"a layer index in [0, {n_layers - 1}] (the model has "
-                           f"{n_layers} layers)")
+        raise opts.error("start_layer", where)
     if not 0 <= end < n_layers:
-        raise config_error("minicache_end_layer", config.minicache_end_layer,
-                           f"a layer index in [0, {n_layers - 1}] (the model has "
-                           f"{n_layers} layers)")
+        raise opts.error("end_layer", where)
     if end <= start:
-        raise config_error("minicache_end_layer", config.minicache_end_layer,
-                           f"a layer index > minicache_start_layer={start} (a pair needs "
-                           "two layers)")
+        raise opts.error("end_layer", f"a layer index > start_layer={start} (a pair needs "
+                         "two layers)")
     return start, end
 
 
+@register
 class MiniCacheCache(CompressedCache):
     """One layer's view of a MiniCache pair (or a plain cache outside the range)."""
 
     method = "minicache"
+    family = "merging (cross-layer)"
+    paper = "MiniCache, Liu et al., NeurIPS 2024 (arXiv 2405.14366)"
+    stores = "one SLERP direction per token per layer pair + magnitudes + retained tokens"
+    cross_layer = True
+    Options = MiniCacheOptions
+    attends = True
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
-        self.bits = config.minicache_bits
-        self.group_size = config.get("group_size", min(64, self.layer.head_dim))
+        self.code_bits = self.opts.bits
+        self.group_size = self.opts.group_size or min(64, self.layer.head_dim)
         self.compute_dtype = mx.float32
         self.paired = self.layer.group_size == 2
         if self.paired and self.layer.coordinator is None:
@@ -65,63 +104,29 @@ class MiniCacheCache(CompressedCache):
                 f"minicache layer {self.layer.layer_idx} is in a merge pair but has no "
                 "coordinator: build caches with KVCacheBuilder.for_model"
             )
-        if self.bits is not None:
+        if self.code_bits is not None:
             for d in (self.layer.head_dim, self.layer.v_head_dim):
                 if d % self.group_size:
                     raise config_error(
                         "group_size", self.group_size,
                         f"a divisor of head_dim={d} of layer {self.layer.layer_idx}",
-                    )
+                        self.method)
         # Plain storage of unpaired layers: float16 or affine codes.
         self.keys: Any = None
         self.values: Any = None
         self._counters: tuple[int, ...] | None = None  # a loaded primary's pair counters
 
     @classmethod
-    def validate_config(cls, config: KVCacheConfig) -> None:
-        for name in ("minicache_start_layer", "minicache_end_layer"):
-            value = getattr(config, name)
-            if value is not None:
-                require_int(name, value, minimum=0)
-        s, e = config.minicache_start_layer, config.minicache_end_layer
-        if s is not None and e is not None and e <= s:
-            raise config_error("minicache_end_layer", e,
-                               f"a layer index > minicache_start_layer={s}")
-        t = config.minicache_t
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) \
-                or not 0.0 <= t <= 1.0:
-            raise config_error("minicache_t", t, "a number in [0, 1]")
-        g = config.minicache_retention_threshold
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or math.isnan(g) \
-                or not 0.0 <= g < 1.0:
-            raise config_error("minicache_retention_threshold", g, "a number in [0, 1)")
-        if config.bits is not None:
-            # The shared ``bits`` would be silently ignored: directions use minicache_bits.
-            raise config_error("bits", config.bits,
-                               "None for minicache (set minicache_bits to quantize)")
-        if config.minicache_retention not in RETENTION_RULES:
-            raise config_error("minicache_retention", config.minicache_retention,
-                               f"one of {list(RETENTION_RULES)}")
-        if config.minicache_bits is not None:
-            require_int("minicache_bits", config.minicache_bits, q.AFFINE_BITS)
-        if config.group_size is not None:
-            require_int("group_size", config.group_size, q.AFFINE_GROUP_SIZES)
-        require_int("window", config.get("window", DEFAULT_WINDOW), minimum=0)
-
-    @classmethod
     def assign_roles(cls, layers: list[LayerInfo], config: KVCacheConfig, model: Any) -> None:
         """Pair adjacent layers of the merge range and inject one coordinator."""
         if not layers:
             return
-        start, end = merge_range(config, layers[0].n_layers)
+        opts = config.options
+        start, end = merge_range(opts, layers[0].n_layers)
         coord = MiniCacheCoordinator(
-            t=float(config.minicache_t),
-            retention=float(config.minicache_retention_threshold),
-            window=config.get("window", DEFAULT_WINDOW),
-            bits=config.minicache_bits,
-            group_size=config.get("group_size", min(64, layers[0].head_dim)),
-            rule=config.minicache_retention,
-        )
+            t=float(opts.t), retention=float(opts.retention_threshold), window=opts.window,
+            bits=opts.bits, group_size=opts.group_size or min(64, layers[0].head_dim),
+            rule=opts.retention)
         gid, i = 0, 0
         while i < len(layers):
             a = layers[i]
@@ -157,14 +162,14 @@ class MiniCacheCache(CompressedCache):
         return keys, values
 
     def _append_plain(self, keys: mx.array, values: mx.array) -> None:
-        if self.bits is None:
+        if self.code_bits is None:
             dt = self.window_dtype(keys.dtype)
             k, v = keys.astype(dt), values.astype(dt)
             self.keys = k if self.keys is None else mx.concatenate([self.keys, k], axis=2)
             self.values = v if self.values is None else mx.concatenate([self.values, v], 2)
             return
-        qk = q.quantize(keys, self.bits, self.group_size)
-        qv = q.quantize(values, self.bits, self.group_size)
+        qk = q.quantize(keys, self.code_bits, self.group_size)
+        qv = q.quantize(values, self.code_bits, self.group_size)
         self.keys = qk if self.keys is None else q.concat([self.keys, qk], axis=2)
         self.values = qv if self.values is None else q.concat([self.values, qv], axis=2)
 
@@ -203,9 +208,9 @@ class MiniCacheCache(CompressedCache):
                 self.layer.group_id, self.layer.member_idx, B, H, D, Dv)
         if self.keys is None:
             return 0
-        if self.bits is None:
+        if self.code_bits is None:
             return B * H * self.offset * (D + Dv) * self.keys.itemsize
-        per_tok = sum(q.quantized_bytes(d, self.bits, self.group_size) for d in (D, Dv))
+        per_tok = sum(q.quantized_bytes(d, self.code_bits, self.group_size) for d in (D, Dv))
         return B * H * self.offset * per_tok
 
     # ---- save / load ----
@@ -228,10 +233,10 @@ class MiniCacheCache(CompressedCache):
         out = []
         for x in v:
             if isinstance(x, (list, tuple)):
-                if self.bits is None:
+                if self.code_bits is None:
                     raise ValueError("saved minicache keys/values are quantized but "
-                                     "minicache_bits is None")
-                x = q.Quantized(x[0], x[1], x[2], self.bits, self.group_size)
+                                     "the option bits is None")
+                x = q.Quantized(x[0], x[1], x[2], self.code_bits, self.group_size)
             out.append(x)
         self.keys, self.values = out
 

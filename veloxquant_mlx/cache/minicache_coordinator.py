@@ -292,7 +292,7 @@ class MiniCacheCoordinator:
                 if isinstance(d, (list, tuple)):
                     if self.bits is None:
                         raise ValueError("saved MiniCache directions are quantized but "
-                                         "this coordinator has minicache_bits=None")
+                                         "this coordinator has bits=None (minicache option bits)")
                     d = q.Quantized(d[0], d[1], d[2], self.bits, self.group_size)
                 part.direction, part.retained_idx = d, share[3]
         p = state[2]

@@ -19,16 +19,44 @@ tokens held, counted in ``accounted_bytes``) that decode steps write in place.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig, config_error
+from ..config import KVCacheConfig
 from ..ops.attention import attention_weights, sdpa
-from .base import CompressedCache, LayerInfo, require_int
+from ..options import MethodOptions
+from ..registry import register
+from .base import CompressedCache, LayerInfo
 
-DEFAULT_WINDOW = 32
 POOLINGS = ("max", "avg")
+
+
+@dataclass(frozen=True)
+class SnapKVOptions(MethodOptions):
+    """SnapKV (Li et al., 2024, https://arxiv.org/abs/2404.14469).
+
+    capacity: prompt tokens kept per KV head besides the observation window;
+    window: the observation window (last prompt queries, kept in full);
+    kernel: pooling kernel over the token axis (odd); pooling: ``"max"`` or ``"avg"``.
+    """
+
+    capacity: int = 1024
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+
+    def __post_init__(self) -> None:
+        self.check_int("window", minimum=1)
+        self.check_int("capacity", minimum=1)
+        if self.window > self.capacity:
+            raise self.error("window", "an observation window no larger than "
+                             f"capacity={self.capacity}")
+        self.check_int("kernel", minimum=1)
+        if self.kernel % 2 == 0:
+            raise self.error("kernel", "an odd integer >= 1 (the pooling keeps the length)")
+        self.check_choice("pooling", POOLINGS)
 
 
 def pool_scores(scores: mx.array, kernel: int, pooling: str) -> mx.array:
@@ -68,17 +96,26 @@ def select_tokens(weights: mx.array, n_kv_heads: int, capacity: int, kernel: int
     return mx.sort(idx, axis=-1)  # keep the prompt order
 
 
+@register
 class SnapKVCache(CompressedCache):
     """Top-``capacity`` prompt tokens per KV head + the observation window + decode."""
 
     method = "snapkv"
+    family = "eviction"
+    paper = "SnapKV, Li et al., 2024 (arXiv 2404.14469)"
+    stores = "top-capacity prompt tokens per KV head + observation window"
+    Options = SnapKVOptions
+    attends = True
+    meta_fields = ("offset", "batch_size", "window", "capacity", "kernel", "pooling",
+                   "compressed", "evicted")
+    meta_types = {"pooling": str, "compressed": lambda s: bool(int(s))}
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
-        self.window = config.get("window", DEFAULT_WINDOW)
-        self.capacity = config.snapkv_capacity
-        self.kernel = config.snapkv_kernel
-        self.pooling = config.snapkv_pooling
+        self.window = self.opts.window
+        self.capacity = self.opts.capacity
+        self.kernel = self.opts.kernel
+        self.pooling = self.opts.pooling
         # Buffers; the first n_held token slots are used, the rest is the reserve.
         self.kbuf: mx.array | None = None
         self.vbuf: mx.array | None = None
@@ -86,26 +123,6 @@ class SnapKVCache(CompressedCache):
         self.obs_queries: mx.array | None = None  # last `window` prefill queries
         self.compressed = False
         self.evicted = 0  # prompt tokens dropped (per KV head)
-
-    @classmethod
-    def validate_config(cls, config: KVCacheConfig) -> None:
-        window = config.get("window", DEFAULT_WINDOW)
-        require_int("window", window, minimum=1)
-        require_int("snapkv_capacity", config.snapkv_capacity, minimum=1)
-        if window > config.snapkv_capacity:
-            raise config_error(
-                "window", window,
-                f"an observation window no larger than snapkv_capacity="
-                f"{config.snapkv_capacity}",
-            )
-        kernel = config.snapkv_kernel
-        require_int("snapkv_kernel", kernel, minimum=1)
-        if kernel % 2 == 0:
-            raise config_error("snapkv_kernel", kernel,
-                               "an odd integer >= 1 (the pooling keeps the length)")
-        if config.snapkv_pooling not in POOLINGS:
-            raise config_error("snapkv_pooling", config.snapkv_pooling,
-                               f"one of {list(POOLINGS)}")
 
     @property
     def keys(self) -> mx.array | None:
@@ -201,15 +218,3 @@ class SnapKVCache(CompressedCache):
     def state(self, v: list[mx.array]) -> None:
         self._set_held(*((v[0], v[1]) if v else (None, None)))
         self.obs_queries = v[2] if len(v) > 2 else None
-
-    @property
-    def meta_state(self) -> tuple[str, ...]:
-        return (str(self.offset), str(self.batch_size), str(self.window), str(self.capacity),
-                str(self.kernel), self.pooling, str(int(self.compressed)), str(self.evicted))
-
-    @meta_state.setter
-    def meta_state(self, v: tuple[str, ...]) -> None:
-        self.offset, self.batch_size, self.window, self.capacity, self.kernel = (
-            int(x) for x in v[:5])
-        self.pooling = v[5]
-        self.compressed, self.evicted = bool(int(v[6])), int(v[7])

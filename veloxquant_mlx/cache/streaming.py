@@ -21,26 +21,49 @@ Multi-token chunks put the buffer back in time order first.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig, config_error
-from .base import CompressedCache, LayerInfo, require_int
+from ..config import KVCacheConfig
+from ..options import MethodOptions
+from ..registry import register
+from .base import CompressedCache, LayerInfo
 
-DEFAULT_SINK = 4
-DEFAULT_WINDOW = 1020  # sink + window = 1024 tokens per layer
+
+@dataclass(frozen=True)
+class StreamingOptions(MethodOptions):
+    """StreamingLLM (Xiao et al., ICLR 2024, https://arxiv.org/abs/2309.17453).
+
+    sink: first tokens always kept (attention sinks); window: most recent tokens kept,
+    the current one included (sink + window = 1024 tokens per layer by default).
+    """
+
+    sink: int = 4
+    window: int = 1020
+
+    def __post_init__(self) -> None:
+        self.check_int("sink", minimum=0)
+        self.check_int("window", minimum=1)
 
 
+@register
 class StreamingCache(CompressedCache):
     """Attention sinks + a sliding window of recent tokens (fixed size)."""
 
     method = "streaming"
+    family = "eviction"
+    paper = "StreamingLLM, Xiao et al., ICLR 2024 (arXiv 2309.17453)"
+    stores = "sink tokens + recent window (fixed size)"
+    Options = StreamingOptions
+    attends = True
+    meta_fields = ("offset", "batch_size", "sink", "window")
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
-        self.sink = config.streaming_sink
-        self.window = config.get("window", DEFAULT_WINDOW)
+        self.sink = self.opts.sink
+        self.window = self.opts.window
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         # Ring slot (within the window part) holding the oldest recent token.
@@ -49,15 +72,6 @@ class StreamingCache(CompressedCache):
         # the position of the chunk's first token. Released by ``attend``.
         # "ring" after an in-place decode step.
         self._pending: tuple[mx.array, mx.array, mx.array, int] | str | None = None
-
-    @classmethod
-    def validate_config(cls, config: KVCacheConfig) -> None:
-        require_int("streaming_sink", config.streaming_sink, minimum=0)
-        window = config.get("window", DEFAULT_WINDOW)
-        if isinstance(window, int) and not isinstance(window, bool) and window < 1:
-            raise config_error("window", window, "an integer >= 1 (the recent window "
-                               "includes the current token)")
-        require_int("window", window, minimum=1)
 
     # ---- positions of the held tokens ----
     def _held_positions(self) -> mx.array:
@@ -159,11 +173,3 @@ class StreamingCache(CompressedCache):
     def state(self, v: list[mx.array]) -> None:
         self.keys, self.values = (v[0], v[1]) if v else (None, None)
         self.ring, self._pending = 0, None
-
-    @property
-    def meta_state(self) -> tuple[str, ...]:
-        return (str(self.offset), str(self.batch_size), str(self.sink), str(self.window))
-
-    @meta_state.setter
-    def meta_state(self, v: tuple[str, ...]) -> None:
-        self.offset, self.batch_size, self.sink, self.window = (int(x) for x in v[:4])

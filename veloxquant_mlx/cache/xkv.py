@@ -26,15 +26,18 @@ rebuilt into a transient tensor and rotated for their positions.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig, config_error
+from ..config import KVCacheConfig
 from ..ops import quantize as q
 from ..ops.attention import masked_softmax
 from ..ops.rope import rotate, unrotate
-from .base import CompressedCache, LayerInfo, require_int
+from ..options import MethodOptions, config_error
+from ..registry import register
+from .base import CompressedCache, LayerInfo
 from .xkv_coordinator import XKVCoordinator
 
 FACTOR_DTYPE = mx.float16  # unquantized factors and means are stored in float16
@@ -79,34 +82,74 @@ def _bytes(n_values: int, bits: int | None, group: int) -> int:
     return q.quantized_bytes(n_values, bits, group)
 
 
+@dataclass(frozen=True)
+class XKVOptions(MethodOptions):
+    """xKV (Chang et al., 2025, https://arxiv.org/abs/2503.18893).
+
+    group_layers: adjacent layers sharing one SVD (G); rank_k / rank_v: ranks of the
+    key / value factors (``None``: from ``energy_threshold``, the fraction of squared
+    singular mass kept); block: tokens of the group's basis block (one joint SVD),
+    later tokens are projected onto that basis in steps of 32; factor_bits: quantize
+    the factors (``None``: float16); pre_rope: compress keys before RoPE; grouping:
+    ``"contiguous"`` or ``"cka"`` (layers grouped by measured similarity); window:
+    recent tokens kept in full precision.
+    """
+
+    group_layers: int = 4
+    rank_k: int | None = None
+    rank_v: int | None = None
+    energy_threshold: float = 0.95
+    block: int = 1024
+    factor_bits: int | None = None
+    pre_rope: bool = True
+    grouping: str = "contiguous"
+    window: int = 0
+
+    legacy_names = {"xkv_group_size": "group_layers"}
+
+    def __post_init__(self) -> None:
+        self.check_int("group_layers", minimum=1)
+        self.check_int("block", minimum=1)
+        self.check_int("window", minimum=0)
+        for name in ("rank_k", "rank_v"):
+            self.check_int(name, minimum=1, optional=True)
+            if getattr(self, name) is not None and getattr(self, name) > self.block:
+                raise self.error(name, f"<= block={self.block} (tokens per SVD)")
+        self.check_number("energy_threshold", 0.0, 1.0)
+        if self.energy_threshold == 0.0:
+            raise self.error("energy_threshold", "a number in (0, 1]")
+        self.check_int("factor_bits", q.AFFINE_BITS, optional=True)
+        if self.factor_bits is not None and self.block % STEP:
+            raise self.error("block", f"a multiple of {STEP} when factor_bits is set (the "
+                             f"token factor is quantized in groups of {STEP} tokens)")
+        self.check_bool("pre_rope")
+        self.check_choice("grouping", ("contiguous", "cka"))
+
+
+@register
 class XKVCache(CompressedCache):
     """One layer's share of a group's cross-layer SVD, plus a full-precision window."""
 
     method = "xkv"
+    family = "low-rank (cross-layer)"
+    paper = "xKV, Chang et al., 2025 (arXiv 2503.18893)"
+    stores = "shared token factor per layer group + per-layer factors + fp window"
+    cross_layer = True
+    Options = XKVOptions
+    attends = True
+    meta_fields = ("offset", "batch_size", "win_start")
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
-        info = self.layer
-        self.block = config.xkv_block
-        self.window = config.get("window", 0)
-        self.bits = config.xkv_factor_bits
-        self.ranks = {"keys": config.xkv_rank_k, "values": config.xkv_rank_v}
-        self.pre_rope = bool(config.xkv_pre_rope) and info.rope_dims is not None
+        info, opts = self.layer, self.opts
+        self.block = opts.block
+        self.window = opts.window
+        self.factor_bits = opts.factor_bits
+        self.ranks = {"keys": opts.rank_k, "values": opts.rank_v}
+        self.pre_rope = opts.pre_rope and info.rope_dims is not None
         self.d_k = info.n_kv_heads * info.head_dim
         self.d_v = info.n_kv_heads * info.v_head_dim
-        for name, d in (("xkv_rank_k", self.d_k), ("xkv_rank_v", self.d_v)):
-            rank = getattr(config, name)
-            if rank is not None and rank > info.group_size * d:
-                raise config_error(
-                    name, rank, f"<= G*D = {info.group_size}*{d} = {info.group_size * d} "
-                    f"for the group of layer {info.layer_idx}")
-        if self.bits is not None:
-            for d in (self.d_k, self.d_v):
-                if d % 32:
-                    raise config_error(
-                        "xkv_factor_bits", self.bits,
-                        f"None for layer {info.layer_idx}: its width D={d} is not a "
-                        "multiple of 32, the smallest quantization group")
+        self._check_layer()
         if info.coordinator is None:
             info.coordinator = XKVCoordinator(max_ctx=config.max_ctx)
         self.leader: XKVCache = self
@@ -122,43 +165,29 @@ class XKVCache(CompressedCache):
         self.means: dict[str, mx.array] = {}
         self.compute_dtype = mx.float32
 
-    # ---- configuration ----
-    @classmethod
-    def validate_config(cls, config: KVCacheConfig) -> None:
-        require_int("xkv_group_size", config.xkv_group_size, minimum=1)
-        if config.group_size is not None:
-            # The shared quantization field is easy to mistake for the layer group size.
-            raise config_error("group_size", config.group_size,
-                               "None for xkv (layers per group: xkv_group_size)")
-        require_int("xkv_block", config.xkv_block, minimum=1)
-        require_int("window", config.get("window", 0), minimum=0)
-        for name in ("xkv_rank_k", "xkv_rank_v"):
-            rank = getattr(config, name)
-            if rank is None:
-                continue
-            require_int(name, rank, minimum=1)
-            if rank > config.xkv_block:
-                raise config_error(name, rank,
-                                   f"<= xkv_block={config.xkv_block} (tokens per SVD)")
-        if config.xkv_factor_bits is not None:
-            require_int("xkv_factor_bits", config.xkv_factor_bits, q.AFFINE_BITS)
-            if config.xkv_block % STEP:
+    def _check_layer(self) -> None:
+        info = self.layer
+        for name, d in (("rank_k", self.d_k), ("rank_v", self.d_v)):
+            rank = getattr(self.opts, name)
+            if rank is not None and rank > info.group_size * d:
                 raise config_error(
-                    "xkv_block", config.xkv_block,
-                    f"a multiple of {STEP} when xkv_factor_bits is set (the token factor "
-                    f"is quantized in groups of {STEP} tokens)")
-        if not isinstance(config.xkv_pre_rope, bool):
-            raise config_error("xkv_pre_rope", config.xkv_pre_rope, "True or False")
-        if config.xkv_grouping not in ("contiguous", "cka"):
-            raise config_error("xkv_grouping", config.xkv_grouping,
-                               "'contiguous' or 'cka'")
+                    name, rank, f"<= G*D = {info.group_size}*{d} = {info.group_size * d} "
+                    f"for the group of layer {info.layer_idx}", self.method)
+        if self.factor_bits is not None:
+            for d in (self.d_k, self.d_v):
+                if d % 32:
+                    raise config_error(
+                        "factor_bits", self.factor_bits,
+                        f"None for layer {info.layer_idx}: its width D={d} is not a "
+                        "multiple of 32, the smallest quantization group", self.method)
 
     @classmethod
     def assign_roles(cls, layers: list[LayerInfo], config: KVCacheConfig, model: Any) -> None:
-        G = config.xkv_group_size
+        opts = config.options
+        G = opts.group_layers
         n = len(layers)
-        if config.xkv_grouping == "cka" and model is not None:
-            groups = cka_groups(model, layers, G, config.xkv_pre_rope)
+        if opts.grouping == "cka" and model is not None:
+            groups = cka_groups(model, layers, G, opts.pre_rope)
         else:
             # Contiguous (also when loading a saved cache: the saved roles win).
             groups = [list(range(g, min(g + G, n))) for g in range(0, n, G)]
@@ -244,7 +273,7 @@ class XKVCache(CompressedCache):
                 if start == 0:
                     got[stream] = coord.get_shared_basis(
                         info.group_id, 0, info.group_size, self.ranks[stream],
-                        self.config.xkv_energy_threshold, stream=stream)
+                        self.opts.energy_threshold, stream=stream)
                 else:
                     got[stream] = coord.get_projection(info.group_id, start,
                                                        info.group_size, stream=stream)
@@ -259,7 +288,7 @@ class XKVCache(CompressedCache):
                     A, Bs, _ = got[stream]
                     own = Bs[info.member_idx]
                     d = own.shape[-1]
-                    self.basis[stream] = (_store(own, self.bits, _member_group(d)),
+                    self.basis[stream] = (_store(own, self.factor_bits, _member_group(d)),
                                           self.means.pop(stream).astype(FACTOR_DTYPE),
                                           own.shape[-2])
                 else:
@@ -282,7 +311,7 @@ class XKVCache(CompressedCache):
         if start != have:
             raise RuntimeError(f"xkv group {self.layer.group_id}: token factor of tokens "
                                f"{start}.. arrived after {have} tokens")
-        self.shared[stream] = _append(held, _store(A.swapaxes(-1, -2), self.bits, STEP))
+        self.shared[stream] = _append(held, _store(A.swapaxes(-1, -2), self.factor_bits, STEP))
 
     def _shared_tokens(self, stream: str) -> int:
         f = self.shared[stream]
@@ -353,10 +382,10 @@ class XKVCache(CompressedCache):
         for stream, d in (("keys", self.d_k), ("values", self.d_v)):
             if stream in self.basis:
                 r = self.basis[stream][2]
-                total += _bytes(b * r * d, self.bits, _member_group(d)) + 2 * b * d
+                total += _bytes(b * r * d, self.factor_bits, _member_group(d)) + 2 * b * d
             if stream in self.shared:
                 r = self.leader.basis[stream][2]
-                total += _bytes(b * r * self._shared_tokens(stream), self.bits, STEP)
+                total += _bytes(b * r * self._shared_tokens(stream), self.factor_bits, STEP)
         return total + sum(m.nbytes for m in self.means.values())
 
     # ---- save / load ----
@@ -380,11 +409,11 @@ class XKVCache(CompressedCache):
 
         def take(group):
             nonlocal i
-            if self.bits is None:
+            if self.factor_bits is None:
                 i += 1
                 return v[i - 1]
             i += 3
-            return q.Quantized(*v[i - 3:i], self.bits, group)
+            return q.Quantized(*v[i - 3:i], self.factor_bits, group)
 
         for stream, d in (("keys", self.d_k), ("values", self.d_v)):
             if stream in self.basis:
@@ -398,11 +427,11 @@ class XKVCache(CompressedCache):
     def meta_state(self):
         ranks = ";".join(f"{s}:{self.basis[s][2]}" for s in STREAMS if s in self.basis)
         shared = ";".join(s for s in STREAMS if s in self.shared)
-        return (*super().meta_state, str(self.win_start), ranks, shared)
+        return (*CompressedCache.meta_state.fget(self), ranks, shared)
 
     @meta_state.setter
     def meta_state(self, v) -> None:
-        self.offset, self.batch_size, self.win_start = int(v[0]), int(v[1]), int(v[2])
+        CompressedCache.meta_state.fset(self, v)
         # Units published but not adopted are published again to the fresh coordinator.
         self.pending, self.means = [], {}
         self.basis = {}

@@ -12,59 +12,99 @@ layer's quantization error is corrected by the next delta instead of piling up.
 It works on the residual stream (the block input before its norm), where layer-to-
 layer changes are small; each layer applies its own norm when it rematerializes.
 
-The attention itself runs in the X hook (``integration.mlx_lm.install_x_hook``),
+The attention itself runs in the X hook (``cache.xquant_hook``),
 which ``KVCacheBuilder.for_model`` installs through ``after_build``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig, config_error
+from ..config import KVCacheConfig
 from ..ops import quantize as q
-from .base import CompressedCache, require_int
+from ..options import MethodOptions, config_error
+from ..registry import register
+from .base import CompressedCache, LayerInfo
 from .xquant_coordinator import XQuantCoordinator
-
-XQUANT_DEFAULT_BITS = 4
-XQUANT_CL_DEFAULT_BITS = 4
-XQUANT_CL_ANCHOR_BITS = 8  # the anchor carries every later layer's reconstruction
+from .xquant_hook import install_x_hook, uninstall_x_hook, x_hook_installed
 
 
+@dataclass(frozen=True)
+class XQuantOptions(MethodOptions):
+    """XQuant (Tomar et al., 2025, https://arxiv.org/abs/2508.10395).
+
+    bits / group_size: affine codes of the cached X; window: recent tokens kept in
+    full precision; latent: for GQA models cache X in the latent space of the SVD of
+    the K/V projection weights (narrower than X).
+    """
+
+    bits: int = 4
+    group_size: int = 64
+    window: int = 0
+    latent: bool = True
+
+    def __post_init__(self) -> None:
+        self.check_int("bits", q.AFFINE_BITS)
+        self.check_int("group_size", q.AFFINE_GROUP_SIZES)
+        self.check_int("window", minimum=0)
+        self.check_bool("latent")
+
+
+@dataclass(frozen=True)
+class XQuantCLOptions(MethodOptions):
+    """XQuant-CL (same paper): anchor X + quantized cross-layer deltas.
+
+    bits / group_size: affine codes of the deltas; anchor_bits: codes of the anchor
+    layer, which carries every later layer's reconstruction.
+    """
+
+    bits: int = 4
+    group_size: int = 64
+    anchor_bits: int = 8
+
+    def __post_init__(self) -> None:
+        self.check_int("bits", q.AFFINE_BITS)
+        self.check_int("group_size", q.AFFINE_GROUP_SIZES)
+        self.check_int("anchor_bits", q.AFFINE_BITS)
+
+
+@register
 class XQuantCache(CompressedCache):
     """Quantized X (or its K/V latents) per token, plus an optional fp window."""
 
     method = "xquant"
-    default_bits = XQUANT_DEFAULT_BITS
+    family = "quantization (rematerialize)"
+    paper = "XQuant, Tomar et al., 2025 (arXiv 2508.10395)"
+    stores = "quantized attention input X; K and V rematerialized"
+    Options = XQuantOptions
+    meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window", "widths")
+    meta_types = {"widths": lambda s: tuple(int(w) for w in s.split(",") if w)}
 
-    def __init__(self, config: KVCacheConfig, layer=None) -> None:
+    def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
-        self.n_bits = config.get("bits", self.default_bits)
-        self.group_size = config.get("group_size", 64)
-        self.window = config.get("window", 0)
+        self.n_bits = self.opts.bits
+        self.group_size = self.opts.group_size
+        self.window = getattr(self.opts, "window", 0)
         self.widths: tuple[int, ...] = ()
         self.codes: list[q.Quantized] | None = None  # one per stored part
         self.win: list[mx.array] | None = None
+        self.proj: Any = None  # the layer's XProjection (installed state on the model)
 
     @classmethod
-    def validate_config(cls, config: KVCacheConfig) -> None:
-        require_int("bits", config.get("bits", cls.default_bits), q.AFFINE_BITS)
-        require_int("group_size", config.get("group_size", 64), q.AFFINE_GROUP_SIZES)
-        require_int("window", config.get("window", 0), minimum=0)
-        if not isinstance(config.xquant_latent, bool):
-            raise config_error("xquant_latent", config.xquant_latent, "True or False")
-        anchor = config.xquant_anchor_bits
-        if anchor is not None:
-            require_int("xquant_anchor_bits", anchor, q.AFFINE_BITS)
+    def latent(cls, config: KVCacheConfig) -> bool:
+        return config.options.latent
 
     @classmethod
     def after_build(cls, caches: list[CompressedCache], config: KVCacheConfig,
                     model: Any) -> None:
-        from ..integration.mlx_lm import install_x_hook, uninstall_x_hook, x_hook_installed
-
+        if model is None or any(c.layer.attention is None for c in caches):
+            raise ValueError(f"{cls.method} caches hook the model's attention: build them "
+                             "with the model (load_prompt_cache(path, model))")
         was = x_hook_installed(model)
-        projs = install_x_hook(model, latent=config.xquant_latent and cls is XQuantCache)
+        projs = install_x_hook([c.layer for c in caches], latent=cls.latent(config))
         try:
             for c in caches:
                 c.bind(projs[c.layer.layer_idx])
@@ -74,14 +114,13 @@ class XQuantCache(CompressedCache):
             raise
 
     @classmethod
-    def uninstall(cls, model: Any) -> None:
+    def detach(cls, model: Any) -> None:
         """Remove the X hook from ``model`` (its attention runs as before)."""
-        from ..integration.mlx_lm import uninstall_x_hook
-
         uninstall_x_hook(model)
 
     def bind(self, proj: Any) -> None:
         """Check the stored widths against ``group_size`` (known once the hook is in)."""
+        self.proj = proj
         self.widths = proj.widths
         for d in self.widths:
             if d % self.group_size:
@@ -89,16 +128,14 @@ class XQuantCache(CompressedCache):
                     "group_size", self.group_size,
                     f"a divisor of the cached width {d} of layer {self.layer.layer_idx} "
                     f"(one of {[g for g in q.AFFINE_GROUP_SIZES if d % g == 0]})",
-                )
+                    self.method)
 
     # ---- the X protocol (called by the hook) ----
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         raise RuntimeError(
             f"{type(self).__name__} caches the layer input X, not K and V, but the model's "
             "attention called update_and_fetch: the X hook is not installed. Build caches "
-            "with KVCacheBuilder.for_model or call "
-            "veloxquant_mlx.integration.mlx_lm.install_x_hook(model)"
-        )
+            "with KVCacheBuilder.for_model")
 
     def _begin(self, x: mx.array) -> int:
         if x.ndim != 3:
@@ -106,11 +143,7 @@ class XQuantCache(CompressedCache):
         B, L, _ = x.shape
         if self.batch_size and B != self.batch_size:
             raise ValueError(f"{self.method}: batch size changed from {self.batch_size} to {B}")
-        if self.offset + L > self.config.max_ctx:
-            raise ValueError(
-                f"{self.method} cache of layer {self.layer.layer_idx}: {self.offset + L} "
-                f"tokens exceed KVCacheConfig.max_ctx={self.config.max_ctx}"
-            )
+        self.check_budget(L)
         self.batch_size = B
         start = self.offset
         self.offset += L
@@ -154,12 +187,20 @@ class XQuantCache(CompressedCache):
         return out
 
     # ---- storage ----
-    def held_arrays(self) -> list[mx.array]:
+    def stored_arrays(self) -> list[mx.array]:
+        """The per-token storage: codes, then the window."""
         out: list[mx.array] = []
         for part in self.codes or []:
             out.extend(part.arrays)
         out.extend(self.win or [])
         return out
+
+    def installed_arrays(self) -> list[mx.array]:
+        """What the X hook keeps on the model for this layer (projection factors)."""
+        return [] if self.proj is None else self.proj.held_arrays()
+
+    def held_arrays(self) -> list[mx.array]:
+        return self.stored_arrays() + self.installed_arrays()
 
     def n_window(self) -> int:
         return 0 if self.win is None else self.win[0].shape[1]
@@ -170,12 +211,13 @@ class XQuantCache(CompressedCache):
         n_q = self.offset - n_win
         per_q = sum(q.quantized_bytes(d, self.n_bits, self.group_size) for d in self.widths)
         itemsize = self.win[0].itemsize if self.win is not None else 2
-        return B * (n_q * per_q + n_win * sum(self.widths) * itemsize)
+        installed = sum(a.nbytes for a in self.installed_arrays())
+        return B * (n_q * per_q + n_win * sum(self.widths) * itemsize) + installed
 
     # ---- save / restore / trim ----
     @property
     def state(self) -> list[mx.array]:
-        return self.held_arrays()
+        return self.stored_arrays()
 
     @state.setter
     def state(self, v: list[mx.array]) -> None:
@@ -186,17 +228,6 @@ class XQuantCache(CompressedCache):
             i += 3
         self.codes = codes or None
         self.win = list(v[i:]) or None
-
-    @property
-    def meta_state(self) -> tuple[str, ...]:
-        return (str(self.offset), str(self.batch_size), str(self.n_bits),
-                str(self.group_size), str(self.window), ",".join(map(str, self.widths)))
-
-    @meta_state.setter
-    def meta_state(self, v: tuple[str, ...]) -> None:
-        self.offset, self.batch_size = int(v[0]), int(v[1])
-        self.n_bits, self.group_size, self.window = int(v[2]), int(v[3]), int(v[4])
-        self.widths = tuple(int(w) for w in v[5].split(",") if w)
 
     def is_trimmable(self) -> bool:
         return True
@@ -220,27 +251,27 @@ def _slice_tokens(c: q.Quantized, n: int) -> q.Quantized:
                        c.group_size)
 
 
+@register
 class XQuantCLCache(XQuantCache):
     """XQuant-CL: anchor residual stream + quantized deltas to the previous layer."""
 
     method = "xquant_cl"
-    default_bits = XQUANT_CL_DEFAULT_BITS
+    family = "quantization (cross-layer)"
+    paper = "XQuant-CL, Tomar et al., 2025 (arXiv 2508.10395)"
+    stores = "anchor X + quantized cross-layer deltas of X"
+    cross_layer = True
+    Options = XQuantCLOptions
 
-    def __init__(self, config: KVCacheConfig, layer=None) -> None:
+    def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
         self.coordinator: XQuantCoordinator | None = self.layer.coordinator
         self.is_anchor = self.layer.member_idx == 0
         if self.is_anchor:
-            self.n_bits = config.xquant_anchor_bits or XQUANT_CL_ANCHOR_BITS
+            self.n_bits = self.opts.anchor_bits
 
     @classmethod
-    def validate_config(cls, config: KVCacheConfig) -> None:
-        super().validate_config(config)
-        if config.get("window", 0):
-            raise config_error(
-                "window", config.window,
-                "0 or None for xquant_cl (its deltas chain every token through all layers)",
-            )
+    def latent(cls, config: KVCacheConfig) -> bool:
+        return False  # the deltas live on the residual stream, not in a K/V latent
 
     @classmethod
     def assign_roles(cls, layers: list, config: KVCacheConfig, model: Any) -> None:

@@ -21,8 +21,16 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..cache.base import CompressedCache, LayerInfo
+from .._version import __version__
+from ..builder import KVCacheBuilder
+from ..cache.base import CompressedCache, LayerInfo, NotTrimmableError
 from ..config import KVCacheConfig
+from ..registry import get_method
+from .mlx_lm import check_attention_routing, install_attention_routing
+
+__all__ = ["NotTrimmableError", "PromptCacheError", "can_trim_prompt_cache",
+           "load_prompt_cache", "read_prompt_cache_header", "save_prompt_cache",
+           "trim_prompt_cache"]
 
 FORMAT_VERSION = 1
 _KEY = "veloxquant"
@@ -31,10 +39,6 @@ _UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 class PromptCacheError(ValueError):
     """A prompt-cache file is corrupt, truncated or does not fit the model."""
-
-
-class NotTrimmableError(ValueError):
-    """Some layer's cache cannot drop tokens from its end."""
 
 
 def _crc(a: mx.array) -> int:
@@ -88,8 +92,6 @@ def _fingerprint(infos: list[LayerInfo | None]) -> dict[str, Any]:
 def save_prompt_cache(path: str | Path, caches: list[Any],
                       metadata: dict[str, str] | None = None) -> None:
     """Save a model's caches (compressed form as held) to a ``.safetensors`` file."""
-    from .. import __version__
-
     arrays: dict[str, mx.array] = {}
     layers, config = [], None
     for i, c in enumerate(caches):
@@ -149,8 +151,6 @@ def _read(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
 
 
 def _check_model(header: dict[str, Any], model: Any, path: str) -> list[LayerInfo | None]:
-    from ..builder import KVCacheBuilder
-
     live = KVCacheBuilder.layer_infos(model)
     saved, have = header["model"], _fingerprint(live)
     if saved["n_layers"] != have["n_layers"]:
@@ -175,9 +175,6 @@ def load_prompt_cache(path: str | Path, model: Any = None,
     With ``model`` the file is checked against the model's shape and the caches get
     the live attention modules; attention routing is installed either way.
     """
-    from ..registry import get_method
-    from .mlx_lm import install_attention_routing
-
     arrays, header = _read(path)
     where = str(path)
     try:
@@ -190,7 +187,7 @@ def load_prompt_cache(path: str | Path, model: Any = None,
         for i in idx:
             info = LayerInfo(**entries[i]["layer_info"])
             if live is not None and live[i] is not None:
-                info.attention = live[i].attention
+                info.attention, info.block = live[i].attention, live[i].block
             infos.append(info)
         saved_roles = [(x.group_id, x.member_idx, x.group_size) for x in infos]
         # A fresh coordinator per loaded model; the saved roles stay authoritative.
@@ -220,6 +217,8 @@ def load_prompt_cache(path: str | Path, model: Any = None,
                                    f"saved state ({exc!r})") from exc
         caches.append(cache)
     compressed = [caches[i] for i in idx]
+    if model is not None and method_cls.attends:
+        check_attention_routing(model, idx, config.method)
     method_cls.after_build(compressed, config, model)
     install_attention_routing(model)
     if return_metadata:

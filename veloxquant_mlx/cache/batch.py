@@ -19,28 +19,23 @@ to a dense cache.
 
 from __future__ import annotations
 
-import copyreg
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache
 
 from ..ops.attention import sdpa
+from .base import CompressedCache
 
 
-def _dtype_by_name(name: str) -> mx.Dtype:
-    return getattr(mx, name.rpartition(".")[2])
-
-
-# mlx_lm deep-copies batch caches (``split``); let mx.Dtype values (held by caches and
-# coordinators) be copied too.
-copyreg.pickle(mx.Dtype, lambda d: (_dtype_by_name, (str(d),)))
-
-
-class BatchedCache(_BaseCache):
+class BatchedCache(CompressedCache):
     """One layer's batch of independent per-sequence caches."""
 
+    attends = True
+
     def __init__(self, caches: list[Any]) -> None:
+        if not caches:
+            raise ValueError("BatchedCache needs at least one per-sequence cache")
+        super().__init__(caches[0].config, caches[0].layer)
         self.caches = list(caches)
         self._pending: list[int] | None = None  # real prompt tokens still to come per row
         self._real: list[int] = []  # real tokens per row in the current chunk
@@ -58,11 +53,16 @@ class BatchedCache(_BaseCache):
     def offset(self) -> mx.array:
         return mx.array([c.offset for c in self.caches])
 
+    @offset.setter
+    def offset(self, value: Any) -> None:
+        pass  # each row keeps its own offset (set by the base constructor only)
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         # ``attend`` builds each row's causal mask itself.
         return None if N == 1 else "causal"
 
-    def _take(self, L: int) -> list[int]:
+    def take_rows(self, L: int) -> list[int]:
+        """Real (unpadded) tokens of each row in the next chunk of ``L`` positions."""
         if self._pending is None:
             return [L] * len(self.caches)
         real = [min(p, L) for p in self._pending]
@@ -75,13 +75,13 @@ class BatchedCache(_BaseCache):
                 f"batch cache holds {len(self.caches)} sequences but keys have batch "
                 f"size {keys.shape[0]}"
             )
-        self._real = self._take(keys.shape[2])
+        self._real = self.take_rows(keys.shape[2])
         self._dense = []
         for i, (c, r) in enumerate(zip(self.caches, self._real)):
             kv = None
             if r:
                 kv = c.update_and_fetch(keys[i:i + 1, :, :r], values[i:i + 1, :, :r])
-            self._dense.append(None if hasattr(c, "attend") else kv)
+            self._dense.append(None if c.attends else kv)
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
@@ -144,10 +144,19 @@ class BatchedCache(_BaseCache):
     def trim(self, n: int) -> int:
         return [c.trim(n) for c in self.caches][0] if self.caches else 0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.caches)
+    def held_arrays(self) -> list[mx.array]:
+        return [a for c in self.caches for a in c.held_arrays()]
+
+    def accounted_bytes(self) -> int:
+        return sum(c.accounted_bytes() for c in self.caches)
+
+    def fp16_bytes(self) -> int:
+        return sum(c.fp16_bytes() for c in self.caches)
 
     @property
     def state(self) -> list[Any]:
         return [c.state for c in self.caches]
+
+    @state.setter
+    def state(self, v: Any) -> None:
+        raise NotImplementedError("a BatchedCache is not saved; save each sequence's caches")
