@@ -16,6 +16,7 @@ from .integration.mlx_lm import (
     check_attention_routing,
     install_attention_routing,
     model_layers,
+    probe_layers,
     rope_params,
     uninstall_attention_routing,
 )
@@ -76,8 +77,14 @@ class KVCacheBuilder:
             config = config.replace(**options)
         method_cls = get_method(config.method)
         default_caches, eligible, layers = cls.eligible_layers(model, method_cls)
+        probes = probe_layers(model, eligible)
+        for info in layers:
+            # What the layer really hands its cache wins over what its attributes say.
+            shape = probes[info.layer_idx].shape
+            if shape is not None:
+                info.n_kv_heads, info.head_dim, info.v_head_dim = shape
         if method_cls.attends:
-            check_attention_routing(model, eligible, config.method)
+            check_attention_routing(model, eligible, config.method, probes)
         # Cross-layer methods assign groups and inject their shared coordinator.
         method_cls.assign_roles(layers, config, model)
         caches = list(default_caches)

@@ -195,11 +195,16 @@ class _ProbeCache(KVCache):
         super().__init__()
         self.updates = 0
         self.attended = 0
+        self.returned: tuple[mx.array, mx.array] | None = None
+        self.foreign_keys = False  # attention was handed keys this cache did not return
+        self.shape: tuple[int, int, int] | None = None  # n_kv_heads, head_dim, v_head_dim
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.updates += 1
+        self.shape = (keys.shape[1], keys.shape[3], values.shape[3])
         super().update_and_fetch(keys, values)
-        return keys, values  # as compressed caches do: only the new chunk
+        self.returned = (keys, values)  # as compressed caches do: only the new chunk
+        return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         self.attended += 1
@@ -208,33 +213,76 @@ class _ProbeCache(KVCache):
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
 
-def check_attention_routing(model: nn.Module, layer_ids: list[int], method: str) -> None:
-    """Raise ``UnsupportedModelError`` unless every layer in ``layer_ids`` attends
-    through the routed function (a prompt chunk and a decode step are probed)."""
+def _probing_sdpa(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
+                  mask: Any, sinks: mx.array | None = None) -> mx.array:
+    # A model that reshapes, tiles or joins the returned keys before attention expects
+    # attention over *those* keys; ``attend`` would silently ignore the change.
+    if isinstance(cache, _ProbeCache) and cache.returned is not None and (
+            keys is not cache.returned[0] or values is not cache.returned[1]):
+        cache.foreign_keys = True
+    return routed_scaled_dot_product_attention(queries, keys, values, cache, scale, mask,
+                                               sinks)
+
+
+@contextmanager
+def _probing(model: nn.Module) -> Iterator[None]:
+    """Routing with ``_probing_sdpa`` in place of the routed function."""
+    install_attention_routing(model)
+    names = [n for n in _PATCHED if sys.modules.get(n) is not None]
+    for n in names:
+        sys.modules[n].scaled_dot_product_attention = _probing_sdpa
+    try:
+        yield
+    finally:
+        for n in names:
+            sys.modules[n].scaled_dot_product_attention = routed_scaled_dot_product_attention
+
+
+def _probe_problem(probe: _ProbeCache) -> str | None:
+    if probe.updates == 0:
+        return "never uses its own cache"
+    if probe.attended < probe.updates:
+        return "does not call mlx_lm's scaled_dot_product_attention"
+    if probe.foreign_keys:
+        return "transforms the cached keys/values before attention"
+    return None
+
+
+def probe_layers(model: nn.Module, layer_ids: list[int]) -> dict[int, _ProbeCache]:
+    """Run a prompt chunk and a decode step through ``model`` with probe caches on
+    ``layer_ids``: what each layer really hands its cache, and how it attends."""
     caches = make_prompt_cache(model)
     probes = {i: _ProbeCache() for i in layer_ids}
     for i, probe in probes.items():
         caches[i] = probe
-    install_attention_routing(model)
-    try:
-        model(mx.array([[0, 1]]), cache=caches)  # lazy: builds the graph, computes nothing
-        model(mx.array([[1]]), cache=caches)
-    except Exception as exc:
-        raise UnsupportedModelError(
-            f"method {method!r}: could not check how {_model_name(model)} attends "
-            f"(a two-token probe failed: {type(exc).__name__}: {exc})") from exc
-    bad = [i for i, p in probes.items() if p.updates == 0 or p.attended < p.updates]
+    with _probing(model):
+        try:
+            model(mx.array([[0, 1]]), cache=caches)  # lazy: builds the graph only
+            model(mx.array([[1]]), cache=caches)
+        except Exception as exc:
+            raise UnsupportedModelError(
+                f"could not check how {_model_name(model)} uses its KV caches (a two-token "
+                f"probe failed: {type(exc).__name__}: {exc})") from exc
+    return probes
+
+
+def check_attention_routing(model: nn.Module, layer_ids: list[int], method: str,
+                            probes: dict[int, _ProbeCache] | None = None) -> None:
+    """Raise ``UnsupportedModelError`` unless every layer in ``layer_ids`` attends over
+    exactly what its cache returned, through the routed function."""
+    if probes is None:
+        probes = probe_layers(model, layer_ids)
+    bad = {i: _probe_problem(probes[i]) for i in layer_ids if _probe_problem(probes[i])}
     if bad:
-        i = bad[0]
+        i, problem = next(iter(bad.items()))
         attn = attention_module(model_layers(model)[i])
         where = f"{type(attn).__module__}.{type(attn).__name__}" if attn is not None else "?"
-        what = ("never uses its cache" if probes[i].updates == 0 else
-                "does not call mlx_lm's scaled_dot_product_attention")
         raise UnsupportedModelError(
             f"method {method!r} cannot run on {_model_name(model)}: the attention of "
-            f"layer(s) {bad} ({where}) {what}, so a compressed cache would be bypassed "
-            "(silently wrong output). Supported: attention that calls mlx_lm's "
-            "scaled_dot_product_attention; the dense method 'none' runs on every model.")
+            f"layer(s) {sorted(bad)} ({where}) {problem}, so a compressed cache would be "
+            "bypassed (silently wrong output). Supported: attention that calls mlx_lm's "
+            "scaled_dot_product_attention over the cache's keys and values; the dense "
+            "method 'none' runs on every model.")
 
 
 def _model_name(model: nn.Module) -> str:
