@@ -114,7 +114,7 @@ def cache_stats(caches: list[Any]) -> dict[str, Any]:
     """
     held = accounted = fp16 = 0
     for c in caches:
-        if isinstance(c, CompressedCache):
+        if isinstance(c, CompressedCache) or hasattr(c, "caches"):  # ours, or a batch of ours
             s = c.stats()
             held += s["held_bytes"]
             accounted += s["accounted_bytes"]

@@ -22,20 +22,22 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
 
 from ..ops.attention import sdpa
-from .base import CompressedCache
 
 
-class BatchedCache(CompressedCache):
-    """One layer's batch of independent per-sequence caches."""
+class BatchedCache(_BaseCache):
+    """One layer's batch of independent per-sequence caches (an mlx_lm cache itself).
+
+    It holds nothing of its own: bytes, state and stats are its rows'.
+    """
 
     attends = True
 
     def __init__(self, caches: list[Any]) -> None:
         if not caches:
             raise ValueError("BatchedCache needs at least one per-sequence cache")
-        super().__init__(caches[0].config, caches[0].layer)
         self.caches = list(caches)
         self._pending: list[int] | None = None  # real prompt tokens still to come per row
         self._real: list[int] = []  # real tokens per row in the current chunk
@@ -52,10 +54,6 @@ class BatchedCache(CompressedCache):
     @property
     def offset(self) -> mx.array:
         return mx.array([c.offset for c in self.caches])
-
-    @offset.setter
-    def offset(self, value: Any) -> None:
-        pass  # each row keeps its own offset (set by the base constructor only)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         # ``attend`` builds each row's causal mask itself.
@@ -147,11 +145,17 @@ class BatchedCache(CompressedCache):
     def held_arrays(self) -> list[mx.array]:
         return [a for c in self.caches for a in c.held_arrays()]
 
-    def accounted_bytes(self) -> int:
-        return sum(c.accounted_bytes() for c in self.caches)
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
 
-    def fp16_bytes(self) -> int:
-        return sum(c.fp16_bytes() for c in self.caches)
+    def stats(self) -> dict[str, Any]:
+        """The rows' stats summed (held, accounted and fp16-equivalent bytes)."""
+        rows = [c.stats() for c in self.caches]
+        out = {k: sum(r[k] for r in rows) for k in ("held_bytes", "accounted_bytes",
+                                                     "fp16_bytes")}
+        out["ratio"] = out["held_bytes"] / out["fp16_bytes"] if out["fp16_bytes"] else 0.0
+        return out
 
     @property
     def state(self) -> list[Any]:
