@@ -34,6 +34,7 @@ SMALL_OPTIONS: dict[str, dict[str, Any]] = {
     "minicache": dict(window=8),
     "xquant": dict(bits=4, group_size=32),
     "xquant_cl": dict(bits=4, group_size=32),
+    "turboquant": dict(window=8),
 }
 
 # Settings under which a method keeps (nearly) everything of a 40-token prompt: 8-bit
@@ -47,6 +48,7 @@ LOSSLESS_OPTIONS: dict[str, dict[str, Any]] = {
     "minicache": dict(window=1000),
     "xquant": dict(bits=8, group_size=32),
     "xquant_cl": dict(bits=8, group_size=32),
+    "turboquant": dict(quantizer="affine", k_bits=8, v_bits=8),
 }
 
 PROMPT = [(i * 37 + 11) % 120 + 1 for i in range(40)]

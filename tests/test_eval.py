@@ -1,26 +1,40 @@
-"""The evaluation harness: perplexity through caches, tables, retrieval, sweep, errors."""
+"""The evaluation harness: prefill, real memory, paired quality, intervals, retrieval."""
 
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.config import ConfigError
+from veloxquant_mlx.eval.memory import active_bytes, measure_retained
 from veloxquant_mlx.eval.perplexity import (
-    evaluate_methods,
+    Method,
     forward_perplexity,
     parse_specs,
     perplexity_through_cache,
     split_method_list,
 )
-from veloxquant_mlx.eval.report import markdown_table, pareto_front
-from veloxquant_mlx.eval.retrieval import TASKS, evaluate_retrieval, make_sample
+from veloxquant_mlx.eval.quality import bootstrap_ci, evaluate_quality
+from veloxquant_mlx.eval.report import pareto_front
+from veloxquant_mlx.eval.retrieval import (
+    TASKS,
+    _retrieval_row,
+    evaluate_retrieval,
+    make_sample,
+    make_samples,
+    mcnemar_exact,
+    wilson_interval,
+)
 from veloxquant_mlx.eval.text import stdlib_text, token_windows
+from veloxquant_mlx.prefill import prefill
 
 AFFINE4 = "affine:bits=4,group_size=32"
 AFFINE8 = "affine:bits=8,group_size=32"
@@ -42,6 +56,32 @@ class CharTokenizer:
 TEXT = " ".join(f"sentence {i} tells the story of the number {i * 7 % 13}." for i in range(200))
 
 
+class Amnesiac(KVCache):
+    """Attends to nothing earlier: each call sees only the keys/values it was given."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.offset += keys.shape[2]
+        return keys, values
+
+    @property
+    def state(self) -> list:
+        return []
+
+
+class Leaky(KVCache):
+    """A dense cache that also keeps an undeclared copy of every key it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shadow: mx.array | None = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        copy = mx.contiguous(keys)
+        self.shadow = copy if self.shadow is None else mx.concatenate([self.shadow, copy], 2)
+        mx.eval(self.shadow)
+        return super().update_and_fetch(keys, values)
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama")
@@ -50,6 +90,24 @@ def model():
 def _tokens(n: int, seed: int = 1) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(128) for _ in range(n)]
+
+
+# ------------------------------------------------------------------ prefill
+def test_prefill_matches_forward_and_returns_a_copy(model):
+    toks = _tokens(300)
+    ref = mx.contiguous(model(mx.array(toks)[None])[0, -1])
+    mx.eval(ref)
+    caches = make_prompt_cache(model)
+    base = active_bytes()
+    got = prefill(model, caches, toks, chunk=128)  # 3 chunks, the last one partial
+    assert got.shape == (1, 128)
+    assert mx.allclose(got[0], ref, atol=1e-4).item()
+    assert all(c.offset == 300 for c in caches)
+    del caches
+    # A view of the last chunk's logits would pin all 44 x 128 of them (22 KiB).
+    assert active_bytes() - base <= got.nbytes + 64
+    with pytest.raises(ValueError, match="chunk=0"):
+        prefill(model, make_prompt_cache(model), toks, chunk=0)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
@@ -62,7 +120,6 @@ def test_dense_cache_perplexity_equals_forward_pass(model_type):
         m, toks, lambda: KVCacheBuilder.for_model(m, KVCacheConfig()), 200, 100, chunk=64)
     assert got["tokens"] == 100
     assert abs(got["ppl"] - ref["ppl"]) / ref["ppl"] < 1e-3
-    assert got["held_bytes"] > 0 and got["fp16_bytes"] > 0
 
 
 def test_compression_changes_perplexity(model):
@@ -75,33 +132,113 @@ def test_compression_changes_perplexity(model):
     assert abs(got["ppl"] - ref) / ref > 1e-3
 
 
-def test_evaluate_methods_table(model):
-    rows = evaluate_methods(model, CharTokenizer(), f"none,{AFFINE4},{AFFINE8}", context=120,
-                            predict=24, windows=2, text=TEXT, recon=True)
-    by = {r["method"]: r for r in rows}
-    assert list(by) == ["none", AFFINE4, AFFINE8]
-    assert by["none"]["ppl_ratio"] == 1.0 and by["none"]["decode_ratio"] == 1.0
-    assert by[AFFINE4]["mem_ratio"] < by[AFFINE8]["mem_ratio"] < by["none"]["mem_ratio"]
-    assert abs(by[AFFINE4]["accounted_over_held"] - 1.0) < 0.05
-    assert by[AFFINE8]["k_rel_err"] < by[AFFINE4]["k_rel_err"]
-    assert abs(by[AFFINE8]["ppl_ratio"] - 1.0) < 0.02
-    assert all(len(r["window_ppl"]) == 2 for r in rows)
-    table = markdown_table(rows)
-    assert table.count("\n") == 4 and AFFINE4 in table
+# ------------------------------------------------------------------ real memory
+def test_measure_retained_dense_matches_expected_bytes(model):
+    toks = _tokens(512)
+    r = measure_retained(model, KVCacheConfig(), toks, decode_steps=4, chunk=128)
+    # 4 layers x (K + V) x 2 KV heads x 512 tokens x 32 dims x float32.
+    expected = 4 * 2 * 2 * 512 * 32 * 4
+    assert abs(r["real_prefill_bytes"] - expected) <= 0.05 * expected
+    assert abs(r["real_over_declared_prefill"] - 1.0) <= 0.05
+    assert r["real_decode_bytes"] >= r["real_prefill_bytes"]
+    assert r["fp16_prefill_bytes"] == expected // 2
+    assert r["residual_bytes"] == 0
+
+
+def test_measure_retained_catches_an_undeclared_array(model):
+    r = measure_retained(model, lambda m: [Leaky() for _ in m.layers], _tokens(512),
+                         decode_steps=2, chunk=128)
+    assert r["declared_prefill_bytes"] == 4 * 2 * 2 * 512 * 32 * 4
+    # The shadow copy of the keys is half as large again as the declared K + V.
+    assert r["real_prefill_bytes"] > 1.05 * r["declared_prefill_bytes"]
+    assert 1.4 < r["real_over_declared_prefill"] < 1.6
+
+
+def test_measure_retained_counts_state_installed_at_build(model):
+    installed: list[mx.array] = []
+
+    def build(m):  # like a method that installs a hook with its own arrays
+        installed.append(mx.zeros((256, 1024)))  # 1 MiB
+        mx.eval(installed[-1])
+        return KVCacheBuilder.for_model(m, KVCacheConfig())
+
+    r = measure_retained(model, build, _tokens(512), decode_steps=0, chunk=256)
+    dense = 4 * 2 * 2 * 512 * 32 * 4
+    assert abs(r["real_prefill_bytes"] - dense - 2**20) <= 0.02 * dense
+    assert r["residual_bytes"] == 2**20  # still installed: detach does not know it
+    installed.clear()
+
+
+# ------------------------------------------------------------------ paired quality
+def _specs(extra: list) -> list:
+    return ["none", ("dense again", lambda m: KVCacheBuilder.for_model(m, KVCacheConfig())),
+            *extra]
+
+
+def test_kl_against_dense(model):
+    rec = evaluate_quality(
+        model, CharTokenizer(),
+        _specs([AFFINE8, ("amnesiac", lambda m: [Amnesiac() for _ in m.layers])]),
+        context=128, predict=32, windows=3, text=TEXT, block=8, memory_steps=None)
+    by = {r["method"]: r for r in rec["rows"]}
+    assert list(by) == ["none", "dense again", AFFINE8, "amnesiac"]
+    again = by["dense again"]
+    assert again["kl"] == 0.0 and again["top1"] == 1.0 and again["ppl_ratio"] == 1.0
+    assert again["kl_ci"] == [0.0, 0.0] and again["verdict"] == "cannot be told apart"
+    # A near-lossless cache stays far under the bound; one that forgets the context
+    # is far above it, and its top-1 rarely matches.
+    bound = 0.05
+    assert by[AFFINE8]["kl"] < bound / 100 and by[AFFINE8]["top1"] > 0.9
+    assert by["amnesiac"]["kl"] > 4 * bound and by["amnesiac"]["top1"] < 0.5
+    assert by["amnesiac"]["kl_ci"][0] > bound
+    assert not by["amnesiac"]["ppl_ratio_ci"][0] <= 1.0 <= by["amnesiac"]["ppl_ratio_ci"][1]
+    assert by["amnesiac"]["verdict"] != "cannot be told apart"
+    assert "dense again" not in by["amnesiac"]["indistinguishable_from"]
+    # Per-window and per-block records are there to re-plot and re-bootstrap.
+    assert len(again["per_window"]) == 3 and sum(again["per_block"]["tokens"]) == 96
+    assert len(again["per_block"]["tokens"]) == 12  # 3 windows x 32 tokens / 8
 
 
 def test_same_windows_for_every_method(model):
     # The dense reference is added when absent and scores the same windows as a
     # separate run of the same settings.
-    a = evaluate_methods(model, CharTokenizer(), [AFFINE8], 100, 16, 2, text=TEXT, seed=3)
-    b = evaluate_methods(model, CharTokenizer(), ["none", AFFINE8], 100, 16, 2, text=TEXT,
-                         seed=3)
+    kw = dict(context=100, predict=16, windows=2, text=TEXT, memory_steps=None)
+    a = evaluate_quality(model, CharTokenizer(), [AFFINE8], seed=3, **kw)["rows"]
+    b = evaluate_quality(model, CharTokenizer(), ["none", AFFINE8], seed=3, **kw)["rows"]
     assert [r["method"] for r in a] == ["none", AFFINE8]
     assert a[1]["window_ppl"] == pytest.approx(b[1]["window_ppl"], rel=1e-5)
-    c = evaluate_methods(model, CharTokenizer(), [AFFINE8], 100, 16, 2, text=TEXT, seed=4)
+    c = evaluate_quality(model, CharTokenizer(), [AFFINE8], seed=4, **kw)["rows"]
     assert c[1]["window_ppl"] != pytest.approx(a[1]["window_ppl"], rel=1e-5)
 
 
+def test_bootstrap_iid_width_and_coverage():
+    rng = np.random.default_rng(1)
+    x = rng.normal(0.3, 1.0, 4096)
+    lo, hi = bootstrap_ci(x, n_boot=2000)
+    assert lo < 0.3 < hi
+    assert abs((hi - lo) / (2 * 1.96 / math.sqrt(4096)) - 1.0) < 0.1
+    covered = sum(lo <= 0.3 <= hi for lo, hi in (
+        bootstrap_ci(rng.normal(0.3, 1.0, 256), n_boot=400, seed=s) for s in range(100)))
+    assert 88 <= covered <= 100
+
+
+def test_block_bootstrap_widens_for_correlated_tokens():
+    # AR(1) with unit innovations: the sd of the mean is 1 / ((1 - phi) sqrt(n)).
+    phi, n = 0.5, 16384
+    rng = np.random.default_rng(2)
+    e = rng.normal(0.0, 1.0, n)
+    y = np.empty(n)
+    y[0] = e[0]
+    for i in range(1, n):
+        y[i] = phi * y[i - 1] + e[i]
+    truth = 2 * 1.96 / ((1 - phi) * math.sqrt(n))
+    lo, hi = bootstrap_ci(y, block=64)
+    assert lo < 0.0 < hi and abs((hi - lo) / truth - 1.0) < 0.15
+    lo1, hi1 = bootstrap_ci(y, block=1, n_boot=500)  # token level: too narrow, sqrt(1/3)
+    assert (hi1 - lo1) / truth < 0.7
+
+
+# ------------------------------------------------------------------ small helpers
 def test_token_windows_deterministic_and_disjoint():
     toks = list(range(1000))
     w1 = token_windows(toks, 100, 3, seed=5)
@@ -123,10 +260,15 @@ def test_stdlib_text_is_prose_and_deterministic():
     assert letters / len(text) > 0.9 and ">>>" not in text
 
 
+def test_pareto_front():
+    pts = [(1.0, 0.0), (0.5, 1.0), (0.6, 2.0), (0.25, 5.0)]
+    assert pareto_front(pts) == [3, 1, 0]
+
+
 # ------------------------------------------------------------------ bad input
 def test_unknown_method_is_named(model):
-    with pytest.raises(ConfigError, match=r"method='nosuch'.*one of"):
-        evaluate_methods(model, CharTokenizer(), "none,nosuch:bits=4", 64, 8, 1, text=TEXT)
+    with pytest.raises(ConfigError, match="nosuch"):
+        evaluate_quality(model, CharTokenizer(), "none,nosuch:bits=4", 64, 8, 1, text=TEXT)
 
 
 def test_duplicate_spec_rejected():
@@ -137,22 +279,23 @@ def test_duplicate_spec_rejected():
 def test_context_beyond_model_limit():
     m = tiny_model("llama", max_position_embeddings=128)
     with pytest.raises(ValueError, match=r"context \+ predict=160.*max_position_embeddings=128"):
-        evaluate_methods(m, CharTokenizer(), "none", 128, 32, 1, text=TEXT)
+        evaluate_quality(m, CharTokenizer(), "none", 128, 32, 1, text=TEXT)
 
 
 def test_text_too_short(model):
     with pytest.raises(ValueError, match="too short for 2 window"):
-        evaluate_methods(model, CharTokenizer(), "none", 100, 20, 2, text="short text " * 15)
+        evaluate_quality(model, CharTokenizer(), "none", 100, 20, 2, text="short text " * 15)
 
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"windows": 0}, "windows=0"),
     ({"predict": 0}, "predict=0"),
+    ({"block": 0}, "block=0"),
 ])
 def test_bad_counts(model, kwargs, match):
-    args = {"context": 64, "predict": 8, "windows": 1} | kwargs
+    args = {"context": 64, "predict": 8, "windows": 1, "memory_steps": None} | kwargs
     with pytest.raises(ValueError, match=match):
-        evaluate_methods(model, CharTokenizer(), "none", text=TEXT, **args)
+        evaluate_quality(model, CharTokenizer(), "none", text=TEXT, **args)
 
 
 def test_missing_text_file(tmp_path):
@@ -182,6 +325,12 @@ def test_retrieval_depth_places_needle():
     assert early.prompt.index(early.answer) < 300 < late.prompt.index(late.answer)
 
 
+def test_retrieval_samples_spread_over_depths():
+    items = make_samples(CharTokenizer(), "passkey", 400, [0.1, 0.5, 0.9], 20, seed=3)
+    assert [s.depth for s in items[:4]] == [0.1, 0.5, 0.9, 0.1]
+    assert len({s.answer for s in items}) == 20  # 20 distinct pass keys
+
+
 def test_retrieval_bad_input():
     with pytest.raises(ValueError, match="task='riddle'"):
         make_sample(CharTokenizer(), "riddle", 500)
@@ -189,39 +338,67 @@ def test_retrieval_bad_input():
         make_sample(CharTokenizer(), "passkey", 500, depth=1.5)
     with pytest.raises(ValueError, match="too short"):
         make_sample(CharTokenizer(), "passkey", 50)
+    with pytest.raises(ValueError, match="samples=0"):
+        make_samples(CharTokenizer(), "passkey", 500, [0.5], 0)
 
 
-def test_evaluate_retrieval_runs(model):
-    rows = evaluate_retrieval(model, CharTokenizer(), f"none,{AFFINE4}", "needle", 500,
-                              depths=(0.2, 0.8), max_tokens=4, text=TEXT)
-    assert [r["method"] for r in rows] == ["none", AFFINE4]
-    for r in rows:
-        assert 0.0 <= r["accuracy"] <= 1.0 and len(r["samples"]) == 2
-        assert r["samples"][0]["correct"] == (r["samples"][0]["answer"]
-                                              in r["samples"][0]["output"])
+def test_wilson_and_mcnemar_known_values():
+    lo, hi = wilson_interval(10, 20)
+    assert lo == pytest.approx(0.2993, abs=1e-3) and hi == pytest.approx(0.7007, abs=1e-3)
+    lo, hi = wilson_interval(20, 20)  # no zero-width interval at 20/20
+    assert hi == 1.0 and lo == pytest.approx(0.8389, abs=1e-3)
+    assert mcnemar_exact(0, 6) == pytest.approx(2 / 64)
+    assert mcnemar_exact(1, 5) == pytest.approx(2 * 7 / 64)
+    assert mcnemar_exact(3, 3) == 1.0 and mcnemar_exact(0, 0) == 1.0
 
 
-# ------------------------------------------------------------------ sweep / report
-def test_pareto_front():
-    pts = [(1.0, 0.0), (0.5, 1.0), (0.6, 2.0), (0.25, 5.0)]
-    assert pareto_front(pts) == [3, 1, 0]
+def test_retrieval_pairs_methods_on_the_same_samples(model):
+    rows = evaluate_retrieval(model, CharTokenizer(), _specs([AFFINE8]), "passkey", 300,
+                              depths=(0.2, 0.8), samples=3, max_tokens=2, text=TEXT)
+    assert [r["method"] for r in rows] == ["none", "dense again", AFFINE8]
+    keys = [[(s["seed"], s["depth"], s["answer"]) for s in r["samples"]] for r in rows]
+    assert keys[0] == keys[1] == keys[2] and len({k[2] for k in keys[0]}) == 3
+    again = rows[1]
+    assert [s["output"] for s in again["samples"]] == [s["output"] for s in rows[0]["samples"]]
+    assert again["disagree_with_dense"] == 0 and again["mcnemar_p"] == 1.0
+    assert again["verdict"] == "cannot be told apart" and rows[0]["verdict"] == "reference"
+    assert again["real_bytes"] == rows[0]["real_bytes"] > 0
 
 
+def test_retrieval_row_counts_discordant_pairs():
+    def res(flags: str) -> list[dict]:
+        return [{"depth": 0.5, "correct": f == "1"} for f in flags]
+
+    dense = res("11111111110000000000")
+    meth = res("00000000000000000011")  # 10 lost, 2 gained
+    row = _retrieval_row(Method("m", KVCacheConfig()), "passkey", 100, meth, dense, {}, None,
+                         0.95)
+    assert (row["correct"], row["n"]) == (2, 20)
+    assert (row["only_method_right"], row["only_dense_right"]) == (2, 10)
+    assert row["disagree_with_dense"] == 12
+    assert row["mcnemar_p"] == pytest.approx(2 * (1 + 12 + 66) / 4096)
+    assert row["verdict"] == "worse"
+    assert row["accuracy_ci"][0] == pytest.approx(0.0279, abs=1e-3)
+
+
+# ------------------------------------------------------------------ sweep / CLI
 def test_sweep_writes_json_md_png(model, tmp_path):
     from veloxquant_mlx.eval.sweep import run_sweep
 
     rec = run_sweep(model, CharTokenizer(), f"none,{AFFINE4}", tmp_path, contexts=(64,),
-                    eval_context=64, predict=8, windows=1, decode_steps=4, repeats=1,
+                    eval_context=64, predict=16, windows=2, decode_steps=4, repeats=1,
                     text=TEXT, argv=["bench", "--quick"], progress=False)
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["command"] == "veloxquant bench --quick"
     assert data["versions"]["mlx"] and data["seed"] == 0
     assert [r["method"] for r in data["speed"]] == ["none", AFFINE4]
-    assert data["speed"][1]["mem_ratio"] < data["speed"][0]["mem_ratio"]
+    speed = {r["method"]: r for r in data["speed"]}
+    assert speed[AFFINE4]["real_bytes"] < speed["none"]["real_bytes"]
+    q = data["quality"][1]
+    assert q["mem_ratio"] == speed[AFFINE4]["mem_ratio"] and len(q["ppl_ratio_ci"]) == 2
+    assert len(q["per_window"]) == 2 and sum(q["per_block"]["tokens"]) == 32
     md = (tmp_path / "bench.md").read_text()
-    assert AFFINE4 in md and "bench.png" in md
-    png = (tmp_path / "bench.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert AFFINE4 in md and "bench.png" in md and "real MiB" in md
     import matplotlib.image
 
     assert matplotlib.image.imread(tmp_path / "bench.png").ndim == 3
@@ -241,9 +418,30 @@ def test_cli_rejects_bad_method_before_loading(monkeypatch):
             args.func(args)
 
 
+def test_cli_eval_quick_defaults_and_context_alias(monkeypatch, tmp_path):
+    from veloxquant_mlx import cli
+
+    seen = {}
+
+    def fake_run_eval(model, tok, specs, task, params, **kw):
+        seen.update(params, task=task)
+        return {"command": "x", "task": task, "seed": 0, "results": []}
+
+    monkeypatch.setattr("veloxquant_mlx.models.load", lambda *a, **k: (None, None))
+    monkeypatch.setattr("veloxquant_mlx.eval.sweep.run_eval", fake_run_eval)
+    args = cli.build_parser().parse_args(
+        ["eval", "--methods", "none", "--context", "4096,8192", "--quick", "--windows", "5",
+         "--text", str(tmp_path / "t.txt")])
+    (tmp_path / "t.txt").write_text(TEXT)
+    assert args.func(args) == 0
+    # --quick sizes, except what was given explicitly.
+    assert seen["contexts"] == [4096, 8192] and seen["windows"] == 5
+    assert seen["predict"] == 64 and seen["block"] == 16 and seen["task"] == "ppl"
+
+
 # ------------------------------------------------------------------ real model
 @pytest.mark.slow
-def test_real_model_cache_perplexity_equals_forward():
+def test_real_model_cache_perplexity_and_memory():
     from veloxquant_mlx.eval.text import encode, load_text
     from veloxquant_mlx.models import load
 
@@ -254,4 +452,9 @@ def test_real_model_cache_perplexity_equals_forward():
         m, toks, lambda: KVCacheBuilder.for_model(m, KVCacheConfig()), 256, 32, chunk=128)
     assert abs(got["ppl"] - ref["ppl"]) / ref["ppl"] < 1e-3
     assert 1.0 < ref["ppl"] < 200.0  # the model reads English
+    r = measure_retained(m, KVCacheConfig(), toks[:256], decode_steps=0)
+    # 30 layers x (K + V) x 3 KV heads x 256 tokens x 64 dims x float32.
+    expected = 30 * 2 * 3 * 256 * 64 * 4
+    assert abs(r["real_prefill_bytes"] - expected) <= 0.05 * expected
+    assert r["real_over_declared_prefill"] == pytest.approx(1.0, abs=0.05)
     mx.clear_cache()

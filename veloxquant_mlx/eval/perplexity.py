@@ -1,29 +1,36 @@
-"""Perplexity through a compressed cache, and the method table built on it.
+"""Scoring tokens through a compressed cache, and method specs.
 
-Protocol: prefill ``context`` tokens through the caches in chunks of ``chunk`` (as
-mlx_lm does), then teacher-force the next ``predict`` tokens one decode step at a
-time. The logits of the last prefill position score token ``context``; each of the
-``predict - 1`` decode steps feeds the true token and scores the next one. All
-``predict`` scored tokens therefore depend on keys and values read back from the
-caches. A window holds ``context + predict`` tokens.
+Protocol: prefill ``context`` tokens through the caches in chunks of ``chunk``
+(:func:`veloxquant_mlx.prefill.prefill`, as mlx_lm does), then teacher-force the next
+``predict`` tokens one decode step at a time. The logits of the last prefill position
+score token ``context``; each of the ``predict - 1`` decode steps feeds the true token
+and scores the next one. All ``predict`` scored tokens therefore depend on keys and
+values read back from the caches. A window holds ``context + predict`` tokens.
+
+:func:`score_window` returns per-token NLL and, against a reference run's
+log-probabilities, per-token KL(reference || method) and top-1 agreement; the paired
+method table built on it is :func:`veloxquant_mlx.eval.quality.evaluate_quality`
+(``evaluate_methods``, its rows only, lives there too).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from ..builder import KVCacheBuilder, cache_stats
+from ..builder import cache_stats
 from ..config import KVCacheConfig
-from .text import encode, load_text, token_windows
+from ..prefill import prefill
+from .memory import CacheSource, build_caches
 
-Spec = str | KVCacheConfig
+Spec = str | KVCacheConfig | tuple[str, Callable[[nn.Module], list[Any]]]
 
 
 def _nll(logits: mx.array, targets: mx.array) -> mx.array:
@@ -71,41 +78,66 @@ def forward_perplexity(model: nn.Module, tokens: Sequence[int], context: int,
     return {"nll": nll, "tokens": predict, "ppl": math.exp(nll / predict)}
 
 
-def _run_window(model: nn.Module, tokens: Sequence[int], caches: list[Any], context: int,
-                predict: int, chunk: int) -> dict[str, Any]:
+# ------------------------------------------------------------------ one window
+def _score(logits: mx.array, target: int, ref: mx.array | None,
+           keep: bool) -> tuple[mx.array, ...]:
+    """NLL of ``target``, KL(ref || this), top-1 agreement; log-probs when ``keep``.
+
+    ``logits`` is one position's ``[V]``. Without ``ref`` KL is 0 and agreement 1 (the
+    run is its own reference).
+    """
+    logq = logits.astype(mx.float32)
+    logq = logq - mx.logsumexp(logq)
+    nll = -logq[target]
+    if ref is None:
+        kl, agree = mx.array(0.0), mx.array(1.0)
+    else:
+        kl = mx.sum(mx.exp(ref) * (ref - logq))
+        agree = (mx.argmax(ref) == mx.argmax(logq)).astype(mx.float32)
+    out = (nll, kl, agree, logq) if keep else (nll, kl, agree)
+    mx.eval(*out)
+    return out
+
+
+@dataclass
+class WindowScores:
+    """Per-token scores of one window read through one method's caches."""
+
+    nll: np.ndarray  # [predict] nats
+    kl: np.ndarray  # [predict] KL(reference || method), nats
+    agree: np.ndarray  # [predict] 1.0 where the argmax matches the reference's
+    prefill_s: float
+    decode_s: float
+    logp: list[mx.array] | None = None  # per position [V] log-probs (reference runs)
+
+
+def score_window(model: nn.Module, tokens: Sequence[int], caches: list[Any], context: int,
+                 predict: int, chunk: int = 512, reference: list[mx.array] | None = None,
+                 keep_logp: bool = False) -> WindowScores:
+    """Score ``tokens[context:context+predict]`` through ``caches`` (see module doc).
+
+    ``reference``: the per-position log-probabilities of the dense run of the same
+    window (``keep_logp=True`` returns them); with it, KL and top-1 agreement are
+    computed against it, without it they are 0 and 1.
+    """
     _check_window(tokens, context, predict)
-    if chunk < 1:
-        raise ValueError(f"chunk={chunk} is not allowed: an integer >= 1")
-    prompt = mx.array(list(tokens[:context]))
+    if reference is not None and len(reference) < predict:
+        raise ValueError(f"reference has {len(reference)} positions: predict={predict}")
     targets = list(tokens[context:context + predict])
     t0 = time.perf_counter()
-    for start in range(0, context, chunk):
-        logits = model(prompt[None, start:start + chunk], cache=caches)
-        if start + chunk < context:
-            mx.eval([c.state for c in caches])
-    nlls = [_nll(logits[0, -1:], mx.array(targets[:1]))]
-    mx.eval(nlls[0])
+    last = prefill(model, caches, list(tokens[:context]), chunk)
     prefill_s = time.perf_counter() - t0
+    ref = reference or [None] * predict
+    rows = [_score(last[0], targets[0], ref[0], keep_logp)]
+    del last
     t0 = time.perf_counter()
     for i in range(predict - 1):
-        step = mx.array([[targets[i]]])
-        nll = _nll(model(step, cache=caches)[0], mx.array(targets[i + 1:i + 2]))
-        mx.eval(nll)
-        nlls.append(nll)
+        logits = model(mx.array([[targets[i]]], dtype=mx.int32), cache=caches)
+        rows.append(_score(logits[0, -1], targets[i + 1], ref[i + 1], keep_logp))
     decode_s = time.perf_counter() - t0
-    total = mx.concatenate(nlls).sum().item()
-    out = {
-        "nll": total,
-        "tokens": predict,
-        "ppl": math.exp(total / predict),
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "prefill_tok_s": context / prefill_s if prefill_s > 0 else float("nan"),
-        "decode_tok_s": (predict - 1) / decode_s if predict > 1 and decode_s > 0
-        else float("nan"),
-    }
-    out.update(cache_stats(caches))
-    return out
+    cols = [np.array([r[j].item() for r in rows], dtype=np.float64) for j in range(3)]
+    return WindowScores(*cols, prefill_s=prefill_s, decode_s=decode_s,
+                        logp=[r[3] for r in rows] if keep_logp else None)
 
 
 def perplexity_through_cache(model: nn.Module, tokens: Sequence[int],
@@ -114,30 +146,86 @@ def perplexity_through_cache(model: nn.Module, tokens: Sequence[int],
     """Perplexity of ``tokens[context:context+predict]`` read through fresh caches.
 
     Returns ``nll``, ``tokens``, ``ppl``, prefill/decode seconds and tok/s, and the
-    cache totals of ``cache_stats`` (held, accounted, fp16-equivalent bytes, ratio).
+    caches' declared totals of ``cache_stats`` (held, accounted, fp16 bytes, ratio).
     """
-    return _run_window(model, tokens, make_caches(), context, predict, chunk)
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} is not allowed: an integer >= 1")
+    caches = make_caches()
+    s = score_window(model, tokens, caches, context, predict, chunk)
+    total = float(s.nll.sum())
+    out = {
+        "nll": total,
+        "tokens": predict,
+        "ppl": math.exp(total / predict),
+        "prefill_s": s.prefill_s,
+        "decode_s": s.decode_s,
+        "prefill_tok_s": context / s.prefill_s if s.prefill_s > 0 else float("nan"),
+        "decode_tok_s": (predict - 1) / s.decode_s if predict > 1 and s.decode_s > 0
+        else float("nan"),
+    }
+    out.update(cache_stats(caches))
+    return out
 
 
-# ------------------------------------------------------------------ method table
-def parse_specs(specs: Sequence[Spec] | str) -> list[tuple[str, KVCacheConfig]]:
-    """``(label, config)`` per spec; all are parsed before anything runs."""
+# ------------------------------------------------------------------ method specs
+@dataclass(frozen=True)
+class Method:
+    """A labelled way of building caches: a config, or a function (hand-made caches)."""
+
+    label: str
+    source: CacheSource
+
+    @property
+    def config(self) -> KVCacheConfig | None:
+        return self.source if isinstance(self.source, KVCacheConfig) else None
+
+    @property
+    def is_dense(self) -> bool:
+        return self.config is not None and self.config.method == "none"
+
+    def build(self, model: nn.Module) -> list[Any]:
+        return build_caches(model, self.source)
+
+    def config_dict(self) -> dict[str, Any] | None:
+        return self.config.to_dict() if self.config is not None else None
+
+
+def resolve_methods(specs: Sequence[Spec] | str, add_dense: bool = True) -> list[Method]:
+    """Parse every spec before anything runs; the dense ``none`` reference goes first.
+
+    A spec is a string (``"affine:bits=4"``), a ``KVCacheConfig``, or a
+    ``(label, build_caches(model))`` pair. With ``add_dense`` a ``none`` method is
+    inserted when absent, and the first ``none`` is moved to the front.
+    """
     if isinstance(specs, str):
         specs = [s for s in specs.split(";") if s.strip()] if ";" in specs else \
             split_method_list(specs)
-    out = []
+    out: list[Method] = []
     for spec in specs:
-        if isinstance(spec, KVCacheConfig):
-            out.append((config_label(spec), spec))
+        if isinstance(spec, tuple):
+            label, build = spec
+            out.append(Method(str(label), build))
+        elif isinstance(spec, KVCacheConfig):
+            out.append(Method(config_label(spec), spec))
         else:
-            out.append((spec.strip(), KVCacheConfig.from_string(spec.strip())))
+            out.append(Method(spec.strip(), KVCacheConfig.from_string(spec.strip())))
     if not out:
         raise ValueError("methods: the list of method specs is empty")
-    labels = [label for label, _ in out]
+    labels = [m.label for m in out]
     dupes = sorted({x for x in labels if labels.count(x) > 1})
     if dupes:
         raise ValueError(f"methods: {dupes} given more than once; each spec once")
+    if add_dense:
+        dense = next((m for m in out if m.is_dense), None)
+        out = [dense or Method("none", KVCacheConfig(method="none"))] + \
+            [m for m in out if m is not dense]
     return out
+
+
+def parse_specs(specs: Sequence[Spec] | str) -> list[tuple[str, KVCacheConfig]]:
+    """``(label, config)`` per config spec, in the order given; all parsed first."""
+    return [(m.label, m.config) for m in resolve_methods(specs, add_dense=False)
+            if m.config is not None]
 
 
 def split_method_list(text: str) -> list[str]:
@@ -160,12 +248,16 @@ def split_method_list(text: str) -> list[str]:
 
 def config_label(config: KVCacheConfig) -> str:
     """``method:key=value,...`` with the fields that differ from the defaults."""
+    to_string = getattr(config, "to_string", None)
+    if callable(to_string):
+        return to_string()
     base = KVCacheConfig(method=config.method).to_dict()
     changed = [f"{k}={v}" for k, v in config.to_dict().items()
-               if k != "method" and v != base[k]]
+               if k != "method" and v != base.get(k)]
     return config.method + (":" + ",".join(changed) if changed else "")
 
 
+# ------------------------------------------------------------------ reconstruction
 def _rel_error(approx: mx.array, ref: mx.array) -> float:
     approx, ref = approx.astype(mx.float32), ref.astype(mx.float32)
     denom = mx.linalg.norm(ref.reshape(-1)).item()
@@ -200,95 +292,3 @@ def reconstruction_errors(ref_caches: list[Any], caches: list[Any]) -> list[dict
                      "k_rel_err": _rel_error(k[..., -n:, :], rk[..., -n:, :]),
                      "v_rel_err": _rel_error(v[..., -n:, :], rv[..., -n:, :])})
     return rows
-
-
-def _median(xs: list[float]) -> float:
-    xs = [x for x in xs if not math.isnan(x)]
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _progress(total: int, enabled: bool, desc: str):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, disable=not enabled, desc=desc, leave=False)
-
-
-def evaluate_methods(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
-                     context: int = 2048, predict: int = 256, windows: int = 2,
-                     text: str | None = None, seed: int = 0, chunk: int = 512,
-                     recon: bool = False, progress: bool = False) -> list[dict[str, Any]]:
-    """One row per method spec: memory, accounting, perplexity and speed vs dense.
-
-    Every method is scored on the same token windows (chosen by ``seed``). Methods
-    run interleaved (the order rotates per window) and speeds are medians over the
-    windows, so shared-machine noise hits all methods alike. The dense ``none``
-    reference is added when missing. ``text`` is the evaluation text (default: the
-    standard-library docstrings corpus).
-    """
-    parsed = parse_specs(specs)
-    if not any(cfg.method == "none" for _, cfg in parsed):
-        parsed.insert(0, ("none", KVCacheConfig(method="none")))
-    ref_label = next(label for label, cfg in parsed if cfg.method == "none")
-    check_model_context(model, context + predict, "context + predict")
-    tokens = encode(tokenizer, load_text() if text is None else text)
-    wins = token_windows(tokens, context + predict, windows, seed)
-    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in parsed}
-    recons: dict[str, list[list[dict[str, Any]]]] = {label: [] for label, _ in parsed}
-    bar = _progress(len(wins) * len(parsed), progress, "eval")
-    for w, win in enumerate(wins):
-        order = parsed[w % len(parsed):] + parsed[:w % len(parsed)]
-        kept: dict[str, list[Any]] = {}
-        for label, cfg in order:
-            caches = KVCacheBuilder.for_model(model, cfg)
-            runs[label].append(_run_window(model, win, caches, context, predict, chunk))
-            if recon:
-                kept[label] = caches
-            del caches
-            bar.update(1)
-        if recon:
-            for label, caches in kept.items():
-                if label != ref_label:
-                    recons[label].append(reconstruction_errors(kept[ref_label], caches))
-        kept.clear()
-    bar.close()
-    rows = [_summarize(label, cfg, runs[label], recons[label], context, predict, seed)
-            for label, cfg in parsed]
-    ref = next(r for r in rows if r["method"] == ref_label)
-    for r in rows:
-        r["ppl_ratio"] = r["ppl"] / ref["ppl"]
-        r["decode_ratio"] = r["decode_tok_s"] / ref["decode_tok_s"]
-        r["prefill_ratio"] = r["prefill_tok_s"] / ref["prefill_tok_s"]
-    return rows
-
-
-def _summarize(label: str, cfg: KVCacheConfig, runs: list[dict[str, Any]],
-               recons: list[list[dict[str, Any]]], context: int, predict: int,
-               seed: int) -> dict[str, Any]:
-    nll = sum(r["nll"] for r in runs)
-    n = sum(r["tokens"] for r in runs)
-    held = statistics.mean(r["held_bytes"] for r in runs)
-    accounted = statistics.mean(r["accounted_bytes"] for r in runs)
-    fp16 = statistics.mean(r["fp16_bytes"] for r in runs)
-    row: dict[str, Any] = {
-        "method": label,
-        "config": cfg.to_dict(),
-        "context": context,
-        "predict": predict,
-        "windows": len(runs),
-        "seed": seed,
-        "held_bytes": int(held),
-        "accounted_bytes": int(accounted),
-        "fp16_bytes": int(fp16),
-        "mem_ratio": held / fp16 if fp16 else float("nan"),
-        "accounted_over_held": accounted / held if held else float("nan"),
-        "ppl": math.exp(nll / n),
-        "window_ppl": [r["ppl"] for r in runs],
-        "decode_tok_s": _median([r["decode_tok_s"] for r in runs]),
-        "prefill_tok_s": _median([r["prefill_tok_s"] for r in runs]),
-    }
-    if recons and any(recons):
-        layers = [e for window in recons for e in window]
-        row["k_rel_err"] = statistics.mean(e["k_rel_err"] for e in layers)
-        row["v_rel_err"] = statistics.mean(e["v_rel_err"] for e in layers)
-        row["recon_layers"] = recons[-1]
-    return row

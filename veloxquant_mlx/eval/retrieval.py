@@ -12,21 +12,32 @@
 The prompt goes through the tokenizer's chat template when it has one, is prefilled
 in chunks like mlx_lm, and the answer is decoded greedily through the caches. A
 sample is correct when its answer string appears in the output.
+
+Every method answers the same samples (``samples`` per context, spread round-robin over
+the depths, seeds ``seed .. seed + samples - 1``). Accuracy comes with a 95% Wilson
+interval; against the dense ``none`` reference (added when missing) the row counts the
+samples where the two disagree (method right / dense wrong and the reverse) and gives
+the exact McNemar p-value of those discordant pairs: with p >= 0.05 the method and
+dense cannot be told apart on these samples.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import re
+import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..builder import KVCacheBuilder, cache_stats
-from .perplexity import Spec, check_model_context, parse_specs
+from ..builder import cache_stats
+from ..prefill import prefill
+from .memory import measure_retained
+from .perplexity import Method, Spec, check_model_context, resolve_methods
 from .text import encode, load_text
 
 TASKS = ("passkey", "needle", "needle_multi", "kv")
@@ -182,12 +193,9 @@ def _haystack(task: str, rng: random.Random, text: str | None):
 def greedy_generate(model: nn.Module, prompt_tokens: Sequence[int], caches: list[Any],
                     max_tokens: int = 16, eos: Sequence[int] = (), chunk: int = 512) -> list[int]:
     """Greedy decoding through ``caches`` (prompt prefilled in chunks of ``chunk``)."""
-    prompt = mx.array(list(prompt_tokens))
-    for start in range(0, len(prompt_tokens), chunk):
-        logits = model(prompt[None, start:start + chunk], cache=caches)
-        mx.eval([c.state for c in caches])
+    logits = prefill(model, caches, prompt_tokens, chunk)
     out: list[int] = []
-    token = mx.argmax(logits[0, -1]).item()
+    token = mx.argmax(logits[0]).item()
     while True:
         if token in eos:
             break
@@ -207,48 +215,114 @@ def _eos_ids(tokenizer: Any) -> set[int]:
     return {one} if one is not None else set()
 
 
+# ------------------------------------------------------------------ statistics
+def wilson_interval(correct: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (sensible at 0/n and n/n too)."""
+    if n < 1:
+        return (float("nan"), float("nan"))
+    z = statistics.NormalDist().inv_cdf(0.5 + level / 2.0)
+    p = correct / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1.0 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value of ``b`` vs ``c`` discordant pairs."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    k = min(b, c)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
+    return min(1.0, 2.0 * tail)
+
+
+# ------------------------------------------------------------------ evaluation
+def make_samples(tokenizer: Any, task: str, context: int, depths: Sequence[float],
+                 samples: int, seed: int = 0, n_needles: int = 4,
+                 text: str | None = None) -> list[Sample]:
+    """``samples`` prompts: depths round-robin, seeds ``seed, seed + 1, ...``."""
+    if samples < 1:
+        raise ValueError(f"samples={samples} is not allowed: an integer >= 1")
+    if not depths:
+        raise ValueError("depths is empty: give at least one depth in [0, 1]")
+    return [make_sample(tokenizer, task, context, depths[i % len(depths)], seed + i,
+                        n_needles, text) for i in range(samples)]
+
+
+def _answers(model: nn.Module, tokenizer: Any, method: Method, items: list[Sample],
+             max_tokens: int, chunk: int, bar: Any) -> tuple[list[dict[str, Any]], dict]:
+    eos = _eos_ids(tokenizer)
+    results, stats = [], {}
+    for item in items:
+        caches = method.build(model)
+        output = tokenizer.decode(greedy_generate(model, item.prompt_tokens, caches,
+                                                  max_tokens, eos, chunk))
+        stats = cache_stats(caches)
+        results.append({"depth": item.depth, "seed": item.seed, "answer": item.answer,
+                        "output": output, "correct": item.answer in output})
+        bar.update(1)
+    return results, stats
+
+
+def _retrieval_row(method: Method, task: str, context: int, results: list[dict[str, Any]],
+                   ref: list[dict[str, Any]], stats: dict, mem: dict | None,
+                   level: float) -> dict[str, Any]:
+    n = len(results)
+    correct = sum(r["correct"] for r in results)
+    only_m = sum(r["correct"] and not d["correct"] for r, d in zip(results, ref))
+    only_d = sum(d["correct"] and not r["correct"] for r, d in zip(results, ref))
+    by_depth: dict[float, list[bool]] = {}
+    for r in results:
+        by_depth.setdefault(r["depth"], []).append(r["correct"])
+    p = mcnemar_exact(only_m, only_d)
+    row = {
+        "method": method.label, "config": method.config_dict(), "task": task,
+        "context": context, "n": n, "correct": correct, "accuracy": correct / n,
+        "accuracy_ci": list(wilson_interval(correct, n, level)),
+        "disagree_with_dense": only_m + only_d, "only_method_right": only_m,
+        "only_dense_right": only_d, "mcnemar_p": p,
+        "verdict": "reference" if results is ref else
+        ("cannot be told apart" if p >= 1.0 - level else
+         ("worse" if only_d > only_m else "better")),
+        "by_depth": {str(d): sum(v) / len(v) for d, v in by_depth.items()},
+        "declared_ratio": stats.get("ratio", float("nan")), "samples": results,
+    }
+    if mem:
+        # Both figures from the same measurement (the first sample's prompt).
+        row.update(real_bytes=mem["real_prefill_bytes"], held_bytes=mem["declared_prefill_bytes"],
+                   fp16_bytes=mem["fp16_prefill_bytes"], mem_ratio=mem["real_over_fp16_prefill"],
+                   declared_ratio=mem["declared_over_fp16_prefill"],
+                   real_over_declared=mem["real_over_declared_prefill"], memory=mem)
+    return row
+
+
 def evaluate_retrieval(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
                        task: str = "passkey", context: int = 2048,
-                       depths: Sequence[float] = (0.1, 0.5, 0.9), samples: int = 1,
+                       depths: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9), samples: int = 20,
                        seed: int = 0, n_needles: int = 4, max_tokens: int = 16,
-                       chunk: int = 512, text: str | None = None,
-                       progress: bool = False) -> list[dict[str, Any]]:
-    """Accuracy of each method on the same generated samples (exact answer match)."""
+                       chunk: int = 512, text: str | None = None, progress: bool = False,
+                       memory: bool = True, level: float = 0.95) -> list[dict[str, Any]]:
+    """Accuracy of each method on the same ``samples`` generated prompts (exact match).
+
+    One row per method, the dense reference first; see the module doc for the
+    interval and the paired comparison. ``memory``: also measure the real bytes each
+    method keeps after the first sample's prompt and ``max_tokens`` decode steps.
+    """
     from tqdm.auto import tqdm
 
-    parsed = parse_specs(specs)
+    methods = resolve_methods(specs)
     check_model_context(model, context + max_tokens, "context + max_tokens")
-    items = [make_sample(tokenizer, task, context, d, seed + s, n_needles, text)
-             for d in depths for s in range(samples)]
-    eos = _eos_ids(tokenizer)
-    rows = []
-    bar = tqdm(total=len(items) * len(parsed), disable=not progress, desc=task, leave=False)
-    for label, cfg in parsed:
-        results, stats = [], None
-        for item in items:
-            caches = KVCacheBuilder.for_model(model, cfg)
-            ids = greedy_generate(model, item.prompt_tokens, caches, max_tokens, eos, chunk)
-            output = tokenizer.decode(ids)
-            stats = cache_stats(caches)
-            results.append({"depth": item.depth, "seed": item.seed, "answer": item.answer,
-                            "output": output, "correct": item.answer in output})
-            bar.update(1)
-        by_depth: dict[float, list[bool]] = {}
-        for r in results:
-            by_depth.setdefault(r["depth"], []).append(r["correct"])
-        rows.append({
-            "method": label, "config": cfg.to_dict(), "task": task, "context": context,
-            "accuracy": sum(r["correct"] for r in results) / len(results),
-            "by_depth": {str(d): sum(v) / len(v) for d, v in by_depth.items()},
-            "mem_ratio": stats["ratio"] if stats else float("nan"),
-            "samples": results,
-        })
+    items = make_samples(tokenizer, task, context, list(depths), samples, seed, n_needles,
+                         text)
+    bar = tqdm(total=len(items) * len(methods), disable=not progress,
+               desc=f"{task} {context}", leave=False)
+    runs = {m.label: _answers(model, tokenizer, m, items, max_tokens, chunk, bar)
+            for m in methods}
     bar.close()
-    return rows
-
-
-def sample_dict(sample: Sample) -> dict[str, Any]:
-    """A sample as a plain dict (without the token ids)."""
-    d = asdict(sample)
-    d.pop("prompt_tokens")
-    return d
+    mems = {m.label: measure_retained(model, m.source, items[0].prompt_tokens, max_tokens,
+                                      chunk) for m in methods} if memory else {}
+    ref = runs[methods[0].label][0]
+    return [_retrieval_row(m, task, context, runs[m.label][0], ref, runs[m.label][1],
+                           mems.get(m.label), level) for m in methods]

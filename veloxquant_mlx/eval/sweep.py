@@ -1,9 +1,13 @@
-"""A sweep over method settings: quality (perplexity) and speed/memory, written to disk.
+"""The runs behind ``veloxquant eval`` and ``veloxquant bench``, written to disk.
 
-``run_sweep`` scores every spec with :func:`evaluate_methods` at one context, runs
-:func:`bench_methods` at each bench context, and writes ``bench.json`` (rows, command
-line, library versions, seeds), ``bench.md`` (tables) and ``bench.png`` (memory ratio
-vs perplexity change, Pareto front) into ``out_dir``.
+``run_eval``: paired quality (perplexity task) or retrieval accuracy of every method at
+each context of a list, with real memory; one JSON record with everything needed to
+re-plot (per-window and per-block stats, command line, versions, seeds).
+
+``run_sweep`` (``bench``): speed and real memory at each bench context
+(:func:`bench_methods`) and paired quality at one context (:func:`evaluate_quality`);
+writes ``bench.json``, ``bench.md`` (tables) and ``bench.png`` (real memory ratio vs
+perplexity change and vs KL, 95% intervals as error bars) into ``out_dir``.
 """
 
 from __future__ import annotations
@@ -15,23 +19,41 @@ from typing import Any
 import mlx.nn as nn
 
 from .bench import bench_methods
-from .perplexity import Spec, evaluate_methods, parse_specs
-from .report import EVAL_COLUMNS, _fmt, _mib, markdown_table, plot_tradeoff, run_record, write_json
+from .perplexity import Spec, resolve_methods
+from .quality import evaluate_quality
+from .report import (
+    EVAL_COLUMNS,
+    RETRIEVAL_COLUMNS,
+    _fmt,
+    _mib,
+    markdown_table,
+    plot_tradeoff,
+    run_record,
+    write_json,
+)
 from .text import encode, load_text
 
-# --quick: short context, one window, few decode steps (a few minutes on 2 cores).
-QUICK = {"contexts": (512,), "eval_context": 512, "predict": 64, "windows": 1,
-         "decode_steps": 16, "repeats": 3}
-FULL = {"contexts": (512, 2048, 4096), "eval_context": 2048, "predict": 256, "windows": 2,
-        "decode_steps": 32, "repeats": 3}
+# bench --quick: about a minute on the embedded model (2 idle cores).
+QUICK = {"contexts": (512,), "eval_context": 512, "predict": 64, "windows": 2, "block": 16,
+         "n_boot": 1000, "decode_steps": 16, "repeats": 3}
+FULL = {"contexts": (512, 2048, 4096), "eval_context": 2048, "predict": 256, "windows": 8,
+        "block": 32, "n_boot": 2000, "decode_steps": 32, "repeats": 3}
+
+# eval: windows None = 8 up to 2k context, 4 beyond (quality.default_windows).
+EVAL_QUICK = {"contexts": (512,), "predict": 64, "windows": 2, "block": 16, "n_boot": 1000,
+              "samples": 6, "memory_steps": 8}
+EVAL_FULL = {"contexts": (2048,), "predict": 256, "windows": None, "block": 32,
+             "n_boot": 2000, "samples": 20, "memory_steps": 16}
 
 BENCH_COLUMNS = [
     ("method", "method", None),
     ("context", "context", None),
-    ("held MiB", "held_bytes", _mib),
-    ("fp16 MiB", "fp16_bytes", _mib),
-    ("held/fp16", "mem_ratio", None),
-    ("accounted/held", "accounted_over_held", None),
+    ("real MiB", "real_bytes", _mib),
+    ("real MiB after decode", "real_decode_bytes", _mib),
+    ("real/fp16", "mem_ratio", None),
+    ("declared MiB", "held_bytes", _mib),
+    ("real/declared", "real_over_declared", None),
+    ("declared/fp16", "declared_ratio", None),
     ("prefill tok/s", "prefill_tok_s", lambda v: _fmt(v, 1)),
     ("prefill/dense", "prefill_ratio", lambda v: _fmt(v, 2)),
     ("decode tok/s", "decode_tok_s", lambda v: _fmt(v, 1)),
@@ -39,6 +61,81 @@ BENCH_COLUMNS = [
     ("MLX peak MiB", "peak_mem_bytes", _mib),
     ("RSS MiB", "rss_bytes", _mib),
 ]
+
+
+def resolve_params(defaults: dict[str, Any], **given: Any) -> dict[str, Any]:
+    """``defaults`` with every given (not ``None``) value in its place."""
+    p = dict(defaults)
+    p.update({k: v for k, v in given.items() if v is not None})
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in p.items()}
+
+
+# ------------------------------------------------------------------ eval
+def run_eval(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
+             task: str = "ppl", params: dict[str, Any] | None = None, *,
+             text: str | None = None, text_name: str | None = None, seed: int = 0,
+             chunk: int = 512, recon: bool = False, depths: Sequence[float] = (0.1, 0.3,
+             0.5, 0.7, 0.9), n_needles: int = 4, max_tokens: int = 16,
+             argv: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
+    """Quality or retrieval of every method at each of ``params["contexts"]``.
+
+    ``params``: ``EVAL_FULL`` keys (contexts, predict, windows, block, n_boot, samples,
+    memory_steps); missing ones take the ``EVAL_FULL`` values.
+    """
+    from .retrieval import evaluate_retrieval
+
+    p = resolve_params(EVAL_FULL, **(params or {}))
+    resolve_methods(specs)  # every spec is checked before anything runs
+    text = load_text() if text is None else text
+    results = []
+    if task == "ppl":
+        tokens = encode(tokenizer, text)
+        for ctx in p["contexts"]:
+            results.append(evaluate_quality(
+                model, tokenizer, specs, ctx, p["predict"], p["windows"], tokens=tokens,
+                seed=seed, chunk=chunk, block=p["block"], n_boot=p["n_boot"],
+                memory_steps=p["memory_steps"], recon=recon, progress=progress))
+    else:
+        for ctx in p["contexts"]:
+            rows = evaluate_retrieval(model, tokenizer, specs, task, ctx, list(depths),
+                                      p["samples"], seed, n_needles, max_tokens, chunk,
+                                      text=text, progress=progress)
+            results.append({"context": ctx, "samples": p["samples"], "depths": list(depths),
+                            "rows": rows})
+    return run_record(argv, task=task, seed=seed, params=p, text=text_name or
+                      "stdlib docstrings", chunk=chunk, results=results)
+
+
+def eval_markdown(record: dict[str, Any]) -> str:
+    """One titled table per context of a ``run_eval`` record."""
+    out = [f"Command: `{record['command']}`", ""]
+    for res in record["results"]:
+        if record["task"] == "ppl":
+            out.append(f"Perplexity task: context {res['context']}, {res['predict']} "
+                       f"predicted tokens x {res['windows']} windows, seed {res['seed']}; "
+                       f"95% intervals: paired bootstrap over blocks of {res['block']} "
+                       f"tokens ({res['n_boot']} resamples). Memory: real = allocator "
+                       "bytes after prefill; declared = cache_stats held bytes.")
+            table = markdown_table(res["rows"], EVAL_COLUMNS)
+        else:
+            out.append(f"Task {record['task']}: context {res['context']}, {res['samples']} "
+                       f"samples per method (depths {res['depths']}), seed {record['seed']}; "
+                       "the same samples for every method.")
+            table = markdown_table(res["rows"], RETRIEVAL_COLUMNS)
+        out += ["", table, ""]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------ bench
+def _borrow_memory(quality: list[dict[str, Any]], speed: list[dict[str, Any]],
+                   context: int) -> None:
+    """Quality rows take the real memory that bench measured at the same context."""
+    keys = ("real_bytes", "real_decode_bytes", "held_bytes", "accounted_bytes", "fp16_bytes",
+            "mem_ratio", "mem_ratio_decode", "declared_ratio", "real_over_declared")
+    by = {r["method"]: r for r in speed if r["context"] == context}
+    for r in quality:
+        if r["method"] in by:
+            r.update({k: by[r["method"]][k] for k in keys})
 
 
 def run_sweep(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
@@ -49,30 +146,33 @@ def run_sweep(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
               text: str | None = None, text_path: str | None = None, seed: int = 0,
               chunk: int = 512, argv: list[str] | None = None,
               progress: bool = True) -> dict[str, Any]:
-    """Run quality + speed for every spec; write JSON, Markdown and PNG; return the record."""
-    p = dict(QUICK if quick else FULL)
-    given = {"contexts": contexts, "eval_context": eval_context, "predict": predict,
-             "windows": windows, "decode_steps": decode_steps, "repeats": repeats}
-    p.update({k: v for k, v in given.items() if v is not None})
-    parse_specs(specs)  # every spec is checked before anything runs
+    """Run speed + memory and quality for every spec; write JSON, Markdown and PNG."""
+    p = resolve_params(QUICK if quick else FULL, contexts=contexts, eval_context=eval_context,
+                       predict=predict, windows=windows, decode_steps=decode_steps,
+                       repeats=repeats)
+    resolve_methods(specs)  # every spec is checked before anything runs
     if text is None:
         text = load_text(text_path)
-    quality = evaluate_methods(model, tokenizer, specs, p["eval_context"], p["predict"],
-                               p["windows"], text=text, seed=seed, chunk=chunk,
-                               progress=progress)
     tokens = encode(tokenizer, text)
     speed = bench_methods(model, tokens, specs, p["contexts"], p["decode_steps"],
                           p["repeats"], chunk, progress=progress)
+    # Memory at the quality context: measured by bench already when it is one of its own.
+    shared = p["eval_context"] in p["contexts"]
+    quality = evaluate_quality(model, tokenizer, specs, p["eval_context"], p["predict"],
+                               p["windows"], tokens=tokens, seed=seed, chunk=chunk,
+                               block=p["block"], n_boot=p["n_boot"],
+                               memory_steps=None if shared else p["decode_steps"],
+                               progress=progress)
+    if shared:
+        _borrow_memory(quality["rows"], speed, p["eval_context"])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    record = run_record(argv, seed=seed, params={k: (list(v) if isinstance(v, tuple) else v)
-                                                 for k, v in p.items()},
-                        text=text_path or "stdlib docstrings", quality=quality, speed=speed)
+    record = run_record(argv, seed=seed, params=p, text=text_path or "stdlib docstrings",
+                        quality=quality["rows"], pairs=quality["pairs"], speed=speed)
     write_json(out / "bench.json", record)
-    png = plot_tradeoff(quality, out / "bench.png",
-                        title=f"memory vs perplexity (context {p['eval_context']})")
-    md = sweep_markdown(record, png.name)
-    (out / "bench.md").write_text(md)
+    png = plot_tradeoff(quality["rows"], out / "bench.png",
+                        title=f"real memory vs quality (context {p['eval_context']})")
+    (out / "bench.md").write_text(sweep_markdown(record, png.name))
     record["files"] = {"json": str(out / "bench.json"), "md": str(out / "bench.md"),
                        "png": str(png)}
     return record
@@ -84,16 +184,34 @@ def sweep_markdown(record: dict[str, Any], png_name: str = "bench.png") -> str:
     return "\n".join([
         f"Command: `{record['command']}`",
         "",
-        f"Quality: context {p['eval_context']}, {p['predict']} predicted tokens, "
-        f"{p['windows']} window(s), seed {record['seed']}.",
+        f"Quality: context {p['eval_context']}, {p['predict']} predicted tokens x "
+        f"{p['windows']} window(s), seed {record['seed']}; 95% intervals: paired bootstrap "
+        f"over blocks of {p['block']} tokens ({p['n_boot']} resamples).",
         "",
         markdown_table(record["quality"], EVAL_COLUMNS),
         "",
         f"Speed and memory: {p['decode_steps']} decode steps, median of {p['repeats']} "
-        "interleaved repeats.",
+        "interleaved repeats. real = bytes MLX's allocator keeps alive for the caches "
+        "(after prefill / after the decode steps); declared = cache_stats held bytes.",
         "",
         markdown_table(record["speed"], BENCH_COLUMNS),
         "",
-        f"![memory vs perplexity]({png_name})",
+        f"![real memory vs quality]({png_name})",
         "",
     ])
+
+
+def write_eval_outputs(record: dict[str, Any], json_path: str | None,
+                       plot_path: str | None) -> list[str]:
+    """Write the eval record's JSON and (perplexity task) plot; the paths written."""
+    written = []
+    if json_path:
+        written.append(str(write_json(json_path, record)))
+    if plot_path and record["task"] == "ppl":
+        for res in record["results"]:
+            path = Path(plot_path)
+            if len(record["results"]) > 1:
+                path = path.with_name(f"{path.stem}-{res['context']}{path.suffix}")
+            written.append(str(plot_tradeoff(
+                res["rows"], path, title=f"real memory vs quality (context {res['context']})")))
+    return written

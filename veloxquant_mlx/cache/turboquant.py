@@ -1,0 +1,276 @@
+"""``turboquant``: rotated, norm-scaled codebook quantization of keys and values.
+
+After TurboQuant (Zandieh et al., 2025, arXiv 2504.19874). Every key and value vector
+of a head is rotated by one seeded random orthogonal matrix ``R`` (a randomized
+Hadamard transform, ``ops.rotation``); after rotation each coordinate is close to
+``N(0, |x|^2 / d)`` whatever the model, so one fixed scalar quantizer fits every vector:
+
+- ``quantizer="codebook"`` (the paper's): the Lloyd-Max codebook of ``N(0, 1)`` applied
+  to ``x / (|x| / sqrt(d))``; a vector costs its float16 scale and ``bits`` per channel,
+  packed in bit planes (``ops.codebook``). Fractional widths (2.5, 3.5) give half the
+  channels one more bit.
+- ``quantizer="affine"``: MLX's affine codes with one group per rotated vector (scale
+  and bias per vector); attention multiplies the packed codes directly
+  (``mx.quantized_matmul``), the fastest path on MLX.
+
+Queries are rotated the same way, so scores need no inverse; the attention output,
+computed over rotated values, is rotated back once per head (``out R^T``). The first
+``sink`` tokens (attention sinks) and the most recent ``window`` tokens stay in float16;
+as in KIVI, a step attends over its new tokens in full precision and they are coded at
+the end of the step. Keys and values have their own widths (``k_bits``, ``v_bits``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import KVCacheConfig
+from ..ops import codebook as cb
+from ..ops import quantize as q
+from ..ops.attention import split_attention
+from ..ops.buffers import TokenBuffer
+from ..ops.rotation import random_rotation
+from ..options import MethodOptions, config_error
+from ..registry import register
+from .base import CompressedCache, LayerInfo
+
+QUANTIZERS = ("codebook", "affine")
+CODEBOOK_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4)
+STREAMS = ("keys", "values")
+_ROTATIONS: dict[tuple[int, int], mx.array] = {}
+
+
+def shared_rotation(d: int, seed: int) -> mx.array:
+    """One rotation per (head dim, seed) for the whole process: held once, not per layer."""
+    key = (d, seed)
+    if key not in _ROTATIONS:
+        _ROTATIONS[key] = random_rotation(d, seed)
+        mx.eval(_ROTATIONS[key])
+    return _ROTATIONS[key]
+
+
+@dataclass(frozen=True)
+class TurboQuantOptions(MethodOptions):
+    """TurboQuant-style rotated quantization (https://arxiv.org/abs/2504.19874).
+
+    k_bits / v_bits: code width of keys / values (codebook: 1-4 in halves; affine:
+    2, 3, 4, 5, 6, 8); quantizer: ``"codebook"`` (Lloyd-Max, float16 scale per vector)
+    or ``"affine"`` (MLX affine codes, one group per vector); rotate: apply the random
+    rotation (off only to measure what it buys); sink: first tokens kept in float16;
+    window: most recent tokens kept in float16; seed: of the rotation.
+    """
+
+    k_bits: float = 4
+    v_bits: float = 4
+    quantizer: str = "codebook"
+    rotate: bool = True
+    sink: int = 4
+    window: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.check_choice("quantizer", QUANTIZERS)
+        allowed = CODEBOOK_BITS if self.quantizer == "codebook" else q.AFFINE_BITS
+        for name in ("k_bits", "v_bits"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) not in allowed:
+                raise self.error(name, f"one of {list(allowed)} for quantizer="
+                                 f"{self.quantizer!r}")
+        self.check_bool("rotate")
+        self.check_int("sink", minimum=0)
+        self.check_int("window", minimum=0)
+        self.check_int("seed", minimum=0)
+
+
+class _Codes:
+    """One stream's coded tokens in a growing buffer (codebook or affine form)."""
+
+    def __init__(self, quantizer: str, bits: float, d: int) -> None:
+        self.quantizer, self.bits, self.d = quantizer, bits, d
+        self.buf = TokenBuffer()
+        self.widths = tuple(cb.split_bits(bits, d)) if quantizer == "codebook" else ()
+
+    def append(self, x: mx.array) -> None:
+        if self.quantizer == "codebook":
+            c = cb.encode(x, self.bits)
+            self.buf.append(c.arrays)
+        else:
+            self.buf.append(q.quantize(x.astype(mx.float32), int(self.bits), self.d).arrays)
+
+    def part(self) -> Any:
+        """What attention reads: a dense transient (codebook) or packed codes (affine)."""
+        used = self.buf.used()
+        if used is None:
+            return None
+        if self.quantizer == "codebook":
+            return cb.decode(cb.Coded(used[:-1], used[-1], self.widths))
+        return q.Quantized(*used, int(self.bits), self.d)
+
+    def nbytes(self, tokens: int, batch_heads: int) -> int:
+        if self.quantizer == "codebook":
+            per = cb.coded_bytes(1, self.d, self.bits)
+        else:
+            per = q.quantized_bytes(self.d, int(self.bits), self.d)
+        return batch_heads * tokens * per
+
+
+@register
+class TurboQuantCache(CompressedCache):
+    """Rotated K/V codes + float16 sinks and recent window."""
+
+    method = "turboquant"
+    family = "quantization (rotated)"
+    paper = "TurboQuant, Zandieh et al., 2025 (arXiv 2504.19874)"
+    stores = "rotated K/V: codebook or affine codes + norm scales, fp16 sinks and window"
+    Options = TurboQuantOptions
+    attends = True
+    meta_fields = ("offset", "batch_size")
+
+    def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
+        super().__init__(config, layer)
+        o, info = self.opts, self.layer
+        for name, d in (("head_dim", info.head_dim), ("v_head_dim", info.v_head_dim)):
+            if o.quantizer == "codebook" and d % 8:
+                raise config_error("quantizer", o.quantizer, f"'affine' for layer "
+                                   f"{info.layer_idx}: {name}={d} is not a multiple of 8",
+                                   self.method)
+            if o.quantizer == "affine" and d not in q.AFFINE_GROUP_SIZES:
+                raise config_error("quantizer", o.quantizer, f"'codebook' for layer "
+                                   f"{info.layer_idx}: affine needs {name} in "
+                                   f"{list(q.AFFINE_GROUP_SIZES)}, got {d}", self.method)
+        self.codes = {"keys": _Codes(o.quantizer, o.k_bits, info.head_dim),
+                      "values": _Codes(o.quantizer, o.v_bits, info.v_head_dim)}
+        self.sinks: list[mx.array] | None = None  # [keys, values] float16, rotated
+        self.win: list[mx.array] | None = None
+        self.rot_k = shared_rotation(info.head_dim, o.seed) if o.rotate else None
+        self.rot_v = shared_rotation(info.v_head_dim, o.seed) if o.rotate else None
+        self.owns_rotation = True  # the builder leaves it to the first layer only
+
+    @classmethod
+    def after_build(cls, caches: list[CompressedCache], config: KVCacheConfig,
+                    model: Any) -> None:
+        # The rotations are shared by every layer: the first layer declares them.
+        for i, c in enumerate(caches):
+            c.owns_rotation = i == 0
+
+    def _rotations(self) -> list[mx.array]:
+        if not self.owns_rotation:
+            return []
+        return list({id(r): r for r in (self.rot_k, self.rot_v) if r is not None}.values())
+
+    # ---- storage ----
+    def _rotate(self, x: mx.array, rot: mx.array | None) -> mx.array:
+        x = x.astype(mx.float32)
+        return x if rot is None else x @ rot
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.check_input(keys, values)
+        self._flush()  # a previous step that did not attend leaves its tokens unflushed
+        self.batch_size = keys.shape[0]
+        k = self._rotate(keys, self.rot_k)
+        v = self._rotate(values, self.rot_v)
+        wdt = self.window_dtype(mx.float32)
+        n_sink = max(0, min(self.opts.sink - self.offset, k.shape[2]))
+        if n_sink:
+            new = [mx.contiguous(x[:, :, :n_sink].astype(wdt)) for x in (k, v)]
+            self.sinks = new if self.sinks is None else [
+                mx.concatenate([a, b], axis=2) for a, b in zip(self.sinks, new)]
+            k, v = k[:, :, n_sink:], v[:, :, n_sink:]
+        if k.shape[2]:
+            new = [k.astype(wdt), v.astype(wdt)]
+            self.win = new if self.win is None else [
+                mx.concatenate([a, b], axis=2) for a, b in zip(self.win, new)]
+        self.offset += keys.shape[2]
+        return keys, values
+
+    def _flush(self) -> None:
+        """Code the tokens that have left the window (after they were attended)."""
+        if self.win is None:
+            return
+        n = self.win[0].shape[2] - self.opts.window
+        if n <= 0:
+            return
+        for stream, x in zip(STREAMS, self.win):
+            self.codes[stream].append(x[:, :, :n])
+        rest = self.win[0].shape[2] - n
+        # Copies: a kept slice would pin the whole pre-flush window buffer.
+        self.win = [mx.contiguous(x[:, :, n:]) for x in self.win] if rest else None
+
+    # ---- attention ----
+    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        dt = queries.dtype
+        qr = self._rotate(queries, self.rot_k)
+        parts = []
+        if self.sinks is not None:
+            parts.append(tuple(self.sinks))
+        coded = [self.codes[s].part() for s in STREAMS]
+        if coded[0] is not None:
+            parts.append(tuple(coded))
+        if self.win is not None:
+            parts.append(tuple(self.win))
+        out = split_attention(qr, parts, scale, mask, quantized_matmul=True)
+        if self.rot_v is not None:
+            out = out @ self.rot_v.T
+        self._flush()
+        return out.astype(dt)
+
+    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+        """Transient dense keys/values (decoded, rotated back) for diagnostics."""
+        out = []
+        for i, (stream, rot) in enumerate(zip(STREAMS, (self.rot_k, self.rot_v))):
+            pieces = [] if self.sinks is None else [self.sinks[i].astype(mx.float32)]
+            part = self.codes[stream].part()
+            if part is not None:
+                pieces.append(q.dequantize(part, mx.float32)
+                              if isinstance(part, q.Quantized) else part)
+            if self.win is not None:
+                pieces.append(self.win[i].astype(mx.float32))
+            x = mx.concatenate(pieces, axis=2)
+            out.append((x if rot is None else x @ rot.T).astype(dtype or mx.float32))
+        return out[0], out[1]
+
+    # ---- accounting ----
+    def held_arrays(self) -> list[mx.array]:
+        out = [*(self.sinks or []), *(self.win or [])]
+        for c in self.codes.values():
+            out.extend(c.buf.arrays or [])
+        return out + self._rotations()
+
+    def accounted_bytes(self) -> int:
+        B, H = max(self.batch_size, 1), self.layer.n_kv_heads
+        fp = sum(a.nbytes for a in (*(self.sinks or []), *(self.win or [])))
+        coded = sum(c.nbytes(c.buf.slots, B * H) for c in self.codes.values())
+        return fp + coded + sum(r.nbytes for r in self._rotations())
+
+    @property
+    def state(self) -> list[Any]:
+        return [self.sinks, self.win, *(c.buf.used() for c in self.codes.values())]
+
+    @state.setter
+    def state(self, v: list[Any]) -> None:
+        self.sinks = list(v[0]) if v[0] else None
+        self.win = list(v[1]) if v[1] else None
+        for c, arrays in zip(self.codes.values(), v[2:4]):
+            c.buf.load(arrays)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens: codes and windows are per token, so it is exact."""
+        n = max(0, min(self.offset, n))
+        keep = self.offset - n
+        n_sink = 0 if self.sinks is None else self.sinks[0].shape[2]
+        n_code = self.codes["keys"].buf.n
+        if keep < n_sink:
+            self.sinks = [mx.contiguous(x[:, :, :keep]) for x in self.sinks] if keep else None
+        w_keep = max(0, keep - n_sink - n_code)
+        if self.win is not None:
+            self.win = [mx.contiguous(x[:, :, :w_keep]) for x in self.win] if w_keep else None
+        if keep - n_sink < n_code:
+            for c in self.codes.values():
+                c.buf.truncate(max(0, keep - n_sink))
+        self.offset = keep
+        return n

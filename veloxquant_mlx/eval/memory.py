@@ -1,0 +1,117 @@
+"""What a method's caches really keep alive, read from MLX's allocator.
+
+``measure_retained`` reads ``mx.get_active_memory()`` after ``gc.collect()`` and
+``mx.clear_cache()`` before the caches exist, right after the prefill and after the
+decode steps. The differences are the bytes the caches and everything the method
+installed on the model keep alive: buffers a kept slice pins, coordinators, hooks with
+their own arrays. ``cache_stats(caches)["held_bytes"]`` (what the caches declare) is
+reported beside it as a second opinion; ``real / declared`` far from 1 means the
+declaration misses something (or counts something twice).
+
+Nothing of the harness may be alive across a reading and freed before the next one:
+the logits of the last step are dropped before each reading, the prompt array is built
+before the first, and ``KVCacheBuilder.detach(model)`` runs before the first so that a
+hook installed by an earlier build is rebuilt (and counted) inside the interval.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..builder import KVCacheBuilder, cache_stats
+from ..config import KVCacheConfig
+from ..prefill import prefill
+
+# A config, or a function building the caches (lets tests measure hand-made caches).
+CacheSource = KVCacheConfig | Callable[[nn.Module], list[Any]]
+
+
+def active_bytes() -> int:
+    """Bytes MLX keeps alive once garbage and the buffer cache are gone."""
+    gc.collect()
+    mx.clear_cache()
+    return mx.get_active_memory()
+
+
+def build_caches(model: nn.Module, source: CacheSource) -> list[Any]:
+    """The caches of ``source`` for ``model`` (a config goes through the builder)."""
+    if isinstance(source, KVCacheConfig):
+        return KVCacheBuilder.for_model(model, source)
+    return source(model)
+
+
+def _decode(model: nn.Module, caches: list[Any], token: int, steps: int,
+            forced: Sequence[int] | None) -> None:
+    """``steps`` single-token decode steps: teacher-forced, or greedy from ``token``."""
+    for i in range(steps):
+        tok = forced[i] if forced is not None else token
+        logits = model(mx.array([[tok]], dtype=mx.int32), cache=caches)
+        if forced is None:
+            token = int(mx.argmax(logits[0, -1]).item())
+        else:
+            mx.eval(logits)
+        del logits
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def _point(real: int, caches: list[Any], tag: str) -> dict[str, Any]:
+    s = cache_stats(caches)
+    return {
+        f"real_{tag}_bytes": real,
+        f"declared_{tag}_bytes": s["held_bytes"],
+        f"accounted_{tag}_bytes": s["accounted_bytes"],
+        f"fp16_{tag}_bytes": s["fp16_bytes"],
+        f"real_over_declared_{tag}": _ratio(real, s["held_bytes"]),
+        f"real_over_fp16_{tag}": _ratio(real, s["fp16_bytes"]),
+        f"declared_over_fp16_{tag}": _ratio(s["held_bytes"], s["fp16_bytes"]),
+    }
+
+
+def measure_retained(model: nn.Module, config: CacheSource, tokens: Sequence[int],
+                     decode_steps: int = 16, chunk: int = 512,
+                     decode_tokens: Sequence[int] | None = None) -> dict[str, Any]:
+    """Real (allocator) and declared bytes after prefill and after ``decode_steps``.
+
+    ``tokens`` is the prompt. Decode steps are greedy from the prompt's last logits,
+    or teacher-forced with ``decode_tokens`` (the same tokens for every method).
+    Keys ``real_/declared_/accounted_/fp16_{prefill,decode}_bytes``,
+    ``real_over_declared_*``, ``real_over_fp16_*``, ``declared_over_fp16_*``;
+    ``residual_bytes``: what stays alive once the caches are dropped and the model
+    detached (should be 0); ``prefill_s`` / ``decode_s``: wall seconds of the two
+    phases (without the readings).
+    """
+    if decode_steps < 0:
+        raise ValueError(f"decode_steps={decode_steps} is not allowed: an integer >= 0")
+    if decode_tokens is not None and len(decode_tokens) < decode_steps:
+        raise ValueError(f"decode_tokens has {len(decode_tokens)} tokens: "
+                         f"decode_steps={decode_steps} needs that many")
+    prompt = mx.array(list(tokens), dtype=mx.int32)
+    forced = list(decode_tokens[:decode_steps]) if decode_tokens is not None else None
+    KVCacheBuilder.detach(model)
+    base = active_bytes()
+    caches = build_caches(model, config)
+    t0 = time.perf_counter()
+    last = prefill(model, caches, prompt, chunk)
+    prefill_s = time.perf_counter() - t0
+    # Only a Python int survives the prefill's logits: nothing of them is counted.
+    token = int(mx.argmax(last[0]).item())
+    del last
+    out: dict[str, Any] = {"context": len(tokens), "decode_steps": decode_steps}
+    out.update(_point(active_bytes() - base, caches, "prefill"))
+    t0 = time.perf_counter()
+    _decode(model, caches, token, decode_steps, forced)
+    decode_s = time.perf_counter() - t0
+    out.update(_point(active_bytes() - base, caches, "decode"))
+    del caches
+    KVCacheBuilder.detach(model)
+    out.update(prefill_s=prefill_s, decode_s=decode_s, residual_bytes=active_bytes() - base)
+    return out

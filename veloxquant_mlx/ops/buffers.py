@@ -1,0 +1,69 @@
+"""Token buffers that grow with a small reserve, so decode steps write in place.
+
+Each buffer is a set of arrays sharing a token axis (axis 2: ``[B, H, T, ...]``). An
+append that fits writes into the reserve; one that does not allocates new arrays with
+``T // 32`` spare slots (about 3%) and copies the used part once. Views handed out
+(``used()``) are slices and pin the buffers: read them, do not keep them.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+RESERVE_FRACTION = 32  # spare slots = tokens held // 32
+
+
+class TokenBuffer:
+    """Arrays ``[B, H, slots, ...]`` of which the first ``n`` token slots are used."""
+
+    def __init__(self) -> None:
+        self.arrays: list[mx.array] | None = None
+        self.n = 0
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.arrays is None else self.arrays[0].shape[2]
+
+    def append(self, new: list[mx.array]) -> None:
+        """Append ``new`` (same layout, ``L`` tokens each) after the used slots."""
+        L = new[0].shape[2]
+        if self.arrays is None or self.n + L > self.slots:
+            spare = (self.n + L) // RESERVE_FRACTION
+            self.arrays = [_grown(old, x, self.n, spare) for old, x in
+                           zip(self.arrays or [None] * len(new), new)]
+        else:
+            for buf, x in zip(self.arrays, new):
+                buf[:, :, self.n:self.n + L] = x
+        self.n += L
+
+    def used(self) -> list[mx.array] | None:
+        """The used slots (views), or None when empty."""
+        if self.arrays is None or self.n == 0:
+            return None
+        if self.n == self.slots:
+            return list(self.arrays)
+        return [a[:, :, :self.n] for a in self.arrays]
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens, in new exact-size arrays (the tail is released)."""
+        n = max(0, min(n, self.n))
+        self.arrays = [mx.contiguous(a[:, :, :n]) for a in self.arrays] if n else None
+        self.n = n
+
+    def load(self, arrays: list[mx.array] | None) -> None:
+        """Adopt saved arrays (no reserve)."""
+        self.arrays = list(arrays) if arrays else None
+        self.n = 0 if not arrays else arrays[0].shape[2]
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays or [])
+
+
+def _grown(buf: mx.array | None, new: mx.array, used: int, spare: int) -> mx.array:
+    """``buf[:, :, :used]`` followed by ``new`` and ``spare`` empty token slots."""
+    parts = [] if buf is None or used == 0 else [buf[:, :, :used]]
+    parts.append(new)
+    if spare:
+        parts.append(mx.zeros((*new.shape[:2], spare, *new.shape[3:]), new.dtype))
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+    return mx.contiguous(out) if len(parts) == 1 else out

@@ -1,0 +1,137 @@
+"""Scalar codebooks for Gaussian coordinates (Lloyd-Max), and bit-plane packed codes.
+
+After a random rotation every coordinate of a head vector is close to ``N(0, |x|^2/d)``
+(``ops.rotation``). Scaled by ``sqrt(d) / |x|`` it is close to ``N(0, 1)``, for which the
+MSE-optimal b-bit scalar quantizer is known in advance: the Lloyd-Max codebook, computed
+here once per width. A vector is stored as its norm (float16) and one code per
+coordinate.
+
+Codes are packed in bit planes: for every 8 consecutive coordinates, plane ``j`` is one
+byte holding bit ``j`` of their 8 codes. Any width 1..8 then costs exactly ``b`` bits per
+coordinate, and a head dimension only needs to be a multiple of 8. Fractional widths
+(2.5, 3.5 bits) give the first half of the channels one bit more than the second half
+(after rotation no channel is special).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import mlx.core as mx
+import numpy as np
+
+MAX_BITS = 4
+_SHIFTS = mx.arange(8, dtype=mx.uint8)
+
+
+def _normal_pdf(x: np.ndarray) -> np.ndarray:
+    return np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def _normal_cdf(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+
+
+@cache
+def lloyd_max(bits: int, iterations: int = 200) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Centroids (2^bits) and decision thresholds (2^bits - 1) for ``N(0, 1)``.
+
+    Lloyd's iteration with the exact conditional means of the normal distribution:
+    a centroid is the mean of its cell, a threshold the midpoint of two centroids.
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"lloyd_max: bits={bits} must be in 1..8")
+    n = 2 ** bits
+    c = np.linspace(-2.5, 2.5, n) if n > 2 else np.array([-0.8, 0.8])
+    for _ in range(iterations):
+        t = (c[1:] + c[:-1]) / 2
+        lo = np.concatenate([[-np.inf], t])
+        hi = np.concatenate([t, [np.inf]])
+        mass = _normal_cdf(hi) - _normal_cdf(lo)
+        c = (_normal_pdf(lo) - _normal_pdf(hi)) / np.maximum(mass, 1e-300)
+    t = (c[1:] + c[:-1]) / 2
+    return tuple(float(v) for v in c), tuple(float(v) for v in t)
+
+
+def codebook_mse(bits: int) -> float:
+    """Expected squared error per N(0, 1) coordinate of the b-bit codebook (numeric)."""
+    c, t = (np.array(v) for v in lloyd_max(bits))
+    x = np.linspace(-8, 8, 200001)
+    idx = np.searchsorted(t, x)
+    return float(np.trapezoid((x - c[idx]) ** 2 * _normal_pdf(x), x))
+
+
+def split_bits(bits: float, d: int) -> list[tuple[int, int]]:
+    """``[(channels, width), ...]`` for a (possibly half-integer) width over ``d`` channels."""
+    lo = math.floor(bits)
+    if bits == lo:
+        return [(d, lo)]
+    half = d // 2
+    if half % 8:
+        raise ValueError(f"{bits} bits need the head dim split in halves of multiples of "
+                         f"8 channels; head dim {d} cannot be")
+    return [(half, lo + 1), (d - half, lo)]
+
+
+def pack_planes(codes: mx.array, bits: int) -> mx.array:
+    """``[..., n]`` codes (< 2^bits, n % 8 == 0) -> ``[..., n // 8, bits]`` uint8 planes."""
+    *lead, n = codes.shape
+    c = codes.astype(mx.uint8).reshape(*lead, n // 8, 1, 8)
+    planes = (c >> mx.arange(bits, dtype=mx.uint8)[:, None]) & 1  # [..., g, bits, 8]
+    return (planes << _SHIFTS).sum(axis=-1).astype(mx.uint8)
+
+
+def unpack_planes(planes: mx.array) -> mx.array:
+    """Inverse of :func:`pack_planes`: ``[..., g, bits]`` uint8 -> ``[..., g * 8]`` uint8."""
+    *lead, g, bits = planes.shape
+    b = (planes[..., None] >> _SHIFTS) & 1  # [..., g, bits, 8]
+    weights = (mx.array(1, dtype=mx.uint8) << mx.arange(bits, dtype=mx.uint8))[:, None]
+    return (b * weights).sum(axis=-2).astype(mx.uint8).reshape(*lead, g * 8)
+
+
+@dataclass
+class Coded:
+    """Vectors stored as a float16 scale per vector and packed codes per channel part."""
+
+    parts: list[mx.array]  # per channel part: [..., n_i // 8, bits_i] uint8 planes
+    scales: mx.array  # [..., 1] float16: norm / sqrt(d)
+    widths: tuple[tuple[int, int], ...]  # (channels, bits) per part
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [*self.parts, self.scales]
+
+
+def _centroids(bits: int) -> mx.array:
+    return mx.array(lloyd_max(bits)[0], dtype=mx.float32)
+
+
+def encode(x: mx.array, bits: float) -> Coded:
+    """Code rotated vectors ``x [..., d]`` with the Lloyd-Max codebook (``bits`` 1..4,
+    halves allowed). The scale is ``|x| / sqrt(d)``, so ``x / scale`` is ~N(0, 1)."""
+    d = x.shape[-1]
+    x = x.astype(mx.float32)
+    scale = mx.sqrt(mx.mean(x * x, axis=-1, keepdims=True))
+    z = x / mx.maximum(scale, 1e-30)
+    parts, start = [], 0
+    widths = tuple(split_bits(bits, d))
+    for n, b in widths:
+        t = mx.array(lloyd_max(b)[1], dtype=mx.float32)
+        codes = (z[..., start:start + n, None] > t).sum(axis=-1)
+        parts.append(pack_planes(codes, b))
+        start += n
+    return Coded(parts, scale.astype(mx.float16), widths)
+
+
+def decode(c: Coded, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """Dequantized vectors ``[..., d]`` (a transient: the stored form stays packed)."""
+    pieces = [_centroids(b)[unpack_planes(p)] for p, (_, b) in zip(c.parts, c.widths)]
+    z = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
+    return (z * c.scales.astype(mx.float32)).astype(dtype)
+
+
+def coded_bytes(n_vectors: int, d: int, bits: float) -> int:
+    """Bytes of ``n_vectors`` coded vectors of width ``d`` (codes + float16 scale)."""
+    return n_vectors * (sum(n * b // 8 for n, b in split_bits(bits, d)) + 2)
