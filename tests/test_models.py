@@ -168,6 +168,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama") -> Path:
         f"{arch}.rope.freq_base": mx.array(10000.0),
         f"{arch}.attention.layer_norm_rms_epsilon": mx.array(1e-5),
         "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.token_type": mx.array(types, dtype=mx.int32),

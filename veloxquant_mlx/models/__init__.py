@@ -70,8 +70,9 @@ def load(
     """Load a model and its ``mlx_lm`` ``TokenizerWrapper``.
 
     name_or_path: ``None`` for the embedded SmolLM2-135M-Instruct, a ``.gguf`` file
-        of a llama-architecture model, or anything ``mlx_lm.load`` accepts (a local
-        mlx model folder or a Hugging Face repo id).
+        of a llama-architecture model with a tokenizer listed in
+        ``gguf.SUPPORTED_TOKENIZERS`` (others raise ``GGUFError``), or anything
+        ``mlx_lm.load`` accepts (a local mlx model folder or a Hugging Face repo id).
     dtype: for GGUF files, ``"float32"``, ``"float16"``, ``"bfloat16"`` (dequantize)
         or ``"keep"`` (keep quantized weights); default ``"float32"`` on CPU,
         ``"keep"`` on GPU. Ignored for mlx_lm models.
