@@ -6,11 +6,13 @@ import mlx.core as mx
 import pytest
 from conftest import small_config
 from mlx_lm.generate import batch_generate, generate_step
+from test_memory import keep_dense_copy, no_buffer_cache  # noqa: F401 (a fixture)
 from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.cache.batch import BatchedCache
+from veloxquant_mlx.eval.memory import active_bytes
 
 PROMPTS = [[(i * 13 + 5 * j) % 120 + 1 for i in range(n)] for j, n in enumerate((23, 7, 40))]
 
@@ -93,23 +95,45 @@ def test_batch_errors_are_clear() -> None:
         NoBatch.merge([c])
 
 
-def test_batch_generate_every_method(method: str) -> None:
+def batch_memory(model, cfg: KVCacheConfig) -> tuple[object, int, int]:
+    """``batch_generate`` through fresh per-sequence caches: its result, the bytes the
+    caches really keep alive (allocator) and the bytes they declare."""
+    KVCacheBuilder.detach(model)
+    base = active_bytes()
+    caches = [KVCacheBuilder.for_model(model, cfg) for _ in PROMPTS]
+    r = batch_generate(model, Tok(), PROMPTS, prompt_caches=caches, max_tokens=3,
+                       return_token_ids=True, return_prompt_caches=True)
+    del caches
+    return r, active_bytes() - base, sum(cache_stats(s)["held_bytes"] for s in r.caches)
+
+
+@pytest.mark.usefixtures("no_buffer_cache")
+def test_batch_generate_every_method(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every method batches (per-sequence caches) or refuses clearly; never dense."""
     model = tiny_model("llama")
     cfg = small_config(method)
     caches = [KVCacheBuilder.for_model(model, cfg) for _ in PROMPTS]
-    cls = type(next(c for c in caches[0] if isinstance(c, CompressedCache)))
+    first = next(c for c in caches[0] if isinstance(c, CompressedCache))
+    cls = type(first)
     if not cls.supports_batching:
         with pytest.raises(NotImplementedError, match="does not support batch merging"):
             batch_generate(model, Tok(), PROMPTS, prompt_caches=caches, max_tokens=3)
         return
-    r = batch_generate(model, Tok(), PROMPTS, prompt_caches=caches, max_tokens=3,
-                       return_token_ids=True, return_prompt_caches=True)
-    assert r.token_ids == [single(model, cfg, p, 3) for p in PROMPTS]
+    expected = [single(model, cfg, p, 3) for p in PROMPTS]
+    r, real, held = batch_memory(model, cfg)
+    assert r.token_ids == expected
     for seq in r.caches:
         assert cache_stats(seq)["held_bytes"] > 0
         assert all(isinstance(c, CompressedCache) for c in seq)
-    if cfg.method != "none":
-        dense = sum(cache_stats(s)["fp16_bytes"] for s in r.caches)
-        held = sum(cache_stats(s)["held_bytes"] for s in r.caches)
-        assert held < dense * 2  # float32 window at worst; never a dense float32 copy
+    # What the caches really keep alive is what they declare, give or take the last
+    # step (an update still lazy, a window slice pinning one more token): one token of
+    # float32 keys and values per layer and sequence.
+    info = first.layer
+    slack = len(caches[0]) * len(PROMPTS) * info.n_kv_heads * \
+        (info.head_dim + info.v_head_dim) * 4
+    assert real <= held + slack, (real, held, slack)
+    # A cache keeping a dense copy beside its compressed form fails that bound.
+    del r
+    keep_dense_copy(monkeypatch, cls)
+    _, real, held = batch_memory(model, cfg)
+    assert real > held + slack, (real, held, slack)

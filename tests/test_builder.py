@@ -22,16 +22,21 @@ def test_one_cache_per_layer_with_shapes_from_the_model(model_type):
     assert all(i.n_kv_heads == 2 and i.head_dim == 32 for i in infos)
 
 
-def test_gemma3_sliding_layers_keep_their_own_cache():
+def test_gemma3_sliding_layers_get_a_compressed_ring():
+    from veloxquant_mlx.cache.sliding import SlidingCache
+
     model = tiny_model("gemma3_text")
+    own = make_prompt_cache(model)
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="affine", bits=8,
                                                            group_size=32))
-    own = make_prompt_cache(model)
     for mine, theirs in zip(caches, own):
         if isinstance(theirs, RotatingKVCache):
-            assert isinstance(mine, RotatingKVCache)
+            assert isinstance(mine, SlidingCache)
         else:
             assert isinstance(theirs, KVCache) and isinstance(mine, AffineCache)
+    # A method with no ring of its own leaves sliding layers on mlx_lm's cache.
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig("snapkv"))
+    assert any(isinstance(c, RotatingKVCache) for c in caches)
 
 
 def test_options_shortcut_and_group_size_must_divide_head_dim():
@@ -97,12 +102,13 @@ def test_routing_is_reversible():
 
 
 def test_cache_stats_counts_foreign_float32_layers_at_float16():
+    from veloxquant_mlx.cache.snapkv import SnapKVCache
+
     model = tiny_model("gemma3_text")
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="affine", bits=8,
-                                                           group_size=32))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig("snapkv", capacity=16, window=4))
     model(mx.zeros((1, 40), dtype=mx.int32), cache=caches)
     sliding = [c for c in caches if isinstance(c, RotatingKVCache)]
     assert sliding and sliding[0].keys.dtype == mx.float32
     s = cache_stats(caches)
-    ours = sum(c.stats()["fp16_bytes"] for c in caches if isinstance(c, AffineCache))
+    ours = sum(c.stats()["fp16_bytes"] for c in caches if isinstance(c, SnapKVCache))
     assert s["fp16_bytes"] == ours + sum(c.nbytes // 2 for c in sliding)

@@ -2,20 +2,31 @@
 
 Each (architecture, method) cell runs a 40-token prefill and 8 greedy decode steps at
 lossless settings and compares the logits with mlx_lm's own cache. A method that cannot
-run on an architecture must say so when the caches are built.
+run on an architecture must say so when the caches are built. (Every architecture mlx_lm
+ships: tests/test_architectures.py.)
 """
 
 from __future__ import annotations
 
+import warnings
+
 import mlx.core as mx
 import pytest
-from conftest import LOSSLESS_OPTIONS, PROMPT, lossless_config
+from conftest import PROMPT, lossless_config
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import tiny_model
 
 from veloxquant_mlx import ConfigError, KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.eval.architectures import build_tiny
-from veloxquant_mlx.integration.mlx_lm import UnsupportedModelError, check_attention_routing
+from veloxquant_mlx.integration.mlx_lm import (
+    UnsupportedModelError,
+    check_attention_routing,
+    probe_model,
+    reconstruction_installed,
+    uninstall_reconstruction,
+)
+from veloxquant_mlx.registry import get_method
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3_text", "gemma2", "olmo2", "plamo"]
 # Relative logit error allowed at the lossless settings (8-bit codes, fp16 windows).
@@ -58,22 +69,39 @@ def test_matches_mlx_lm_or_refuses(arch: str, method: str) -> None:
     assert got_tokens == want_tokens
 
 
-@pytest.mark.parametrize("method", [m for m in LOSSLESS_OPTIONS if m != "xquant"
-                                    and m != "xquant_cl"])
-def test_gemma2_attention_is_refused_not_bypassed(method: str) -> None:
+def test_gemma2_gets_a_dense_reconstruction_or_a_refusal(method: str) -> None:
     # gemma2 computes soft-capped attention itself: a cache returning only the new chunk
-    # would be attended to that chunk alone.
+    # would be attended to that chunk alone. Methods that rebuild their keys hand it a
+    # transient dense reconstruction (and say so once); the others refuse by name.
     model = tiny_model("gemma2")
-    with pytest.raises(UnsupportedModelError, match="gemma2.*does not call"):
-        KVCacheBuilder.for_model(model, lossless_config(method))
+    cls = get_method(method)
+    if cls.attends and cls.dense_kv is CompressedCache.dense_kv:
+        with pytest.raises(UnsupportedModelError, match="gemma2.*does not call"):
+            KVCacheBuilder.for_model(model, lossless_config(method))
+        return
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        caches = KVCacheBuilder.for_model(model, lossless_config(method))
+    want, _ = _generate(model, make_prompt_cache(model))
+    got, _ = _generate(model, caches)
+    KVCacheBuilder.detach(model)
+    assert _rel(got, want) < TOLERANCE, method
 
 
-def test_a_bypassing_layer_fails_the_check_and_the_broken_output_is_real() -> None:
+def test_a_bypassing_layer_needs_the_hook_and_the_broken_output_is_real(monkeypatch) -> None:
     """The check is what stands between the user and wrong logits: show both sides."""
+    import veloxquant_mlx.integration.mlx_lm as glue
+
+    monkeypatch.setattr(glue, "_WARNED", set())  # the notice comes once per model/method
     model = tiny_model("gemma2")
-    with pytest.raises(UnsupportedModelError):
-        check_attention_routing(model, [0, 1, 2, 3], "affine")
-    # Built without the check, the affine cache is silently wrong on this model.
+    with pytest.raises(UnsupportedModelError, match="snapkv"):
+        check_attention_routing(model, [0, 1, 2, 3], "snapkv")
+    assert not reconstruction_installed(model)
+    with pytest.warns(UserWarning, match="transient dense reconstruction"):
+        assert check_attention_routing(model, [0, 1, 2, 3], "affine") == [0, 1, 2, 3]
+    assert reconstruction_installed(model)
+    uninstall_reconstruction(model)
+    # Built without the hook, the affine cache is silently wrong on this model.
     from veloxquant_mlx.cache.affine import AffineCache
 
     infos = KVCacheBuilder.layer_infos(model)
@@ -84,9 +112,23 @@ def test_a_bypassing_layer_fails_the_check_and_the_broken_output_is_real() -> No
     assert _rel(got, want) > 10 * TOLERANCE
 
 
-def test_tiled_keys_are_refused() -> None:
+def test_tiled_keys_need_a_reconstruction() -> None:
     # plamo tiles the returned keys across query heads before attention (h mod n_kv, not
     # grouped-query pairing): attending over the stored keys would pair heads wrongly.
     model = _model("plamo")
     with pytest.raises(UnsupportedModelError, match="transforms the cached keys"):
-        KVCacheBuilder.for_model(model, KVCacheConfig("streaming", window=1000))
+        KVCacheBuilder.for_model(model, KVCacheConfig("snapkv", capacity=1000))
+
+
+def test_the_probe_finds_layers_by_what_they_hand_their_cache() -> None:
+    """No projection names needed: fused QKV (phi3), MLA latents (deepseek_v3), a model
+    whose caches are not one per layer (nemotron_h: Mamba, attention, MLP-only)."""
+    shapes = {t: [(p.slot, p.shape, type(p.owner).__name__) for p in probe_model(
+        build_tiny(t)) if p is not None] for t in ("phi3", "deepseek_v3", "nemotron_h")}
+    assert shapes["phi3"] == [(0, (2, 16, 16), "Attention"), (1, (2, 16, 16), "Attention")]
+    # MLA caches one latent "head" (kv_lora_rank 32) and the RoPE key part (8).
+    assert [s[1] for s in shapes["deepseek_v3"]] == [(1, 32, 8), (1, 32, 8)]
+    # Three blocks (Mamba, attention, MLP) but two caches: the attention's is slot 1.
+    assert shapes["nemotron_h"] == [(1, (2, 16, 16), "NemotronHAttention")]
+    infos = KVCacheBuilder.layer_infos(build_tiny("nemotron_h"))
+    assert [i is not None for i in infos] == [False, True] and infos[1].layer_idx == 1

@@ -2,7 +2,8 @@
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from test_memory import keep_dense_copy, no_buffer_cache  # noqa: F401 (a fixture)
 from tiny_models import tiny_model
 
 from veloxquant_mlx.builder import KVCacheBuilder, cache_stats
@@ -37,6 +38,19 @@ def _run(model, caches, tokens, prompt, chunk=32):
 def _tokens(batch=1, n=110, seed=1):
     mx.random.seed(seed)
     return mx.random.randint(0, 128, (batch, n))
+
+
+def _rel_err(out: mx.array, ref: mx.array) -> float:
+    """Mean over positions of |out - ref| / |ref| (L2 over the vocabulary)."""
+    return (mx.linalg.norm(out - ref, axis=-1) / mx.linalg.norm(ref, axis=-1)).mean().item()
+
+
+class _Forgetful(KVCache):
+    """Deliberately broken: each step attends to its own new tokens only."""
+
+    def update_and_fetch(self, keys, values):
+        self.offset += keys.shape[2]
+        return keys, values
 
 
 # ---- configuration ----
@@ -154,7 +168,12 @@ def test_low_rank_compresses_and_accounting_matches(model):
     st = cache_stats(caches)
     assert abs(st["held_bytes"] / st["accounted_bytes"] - 1) < 0.05
     assert st["ratio"] < 0.5
-    assert mx.abs(out - ref).max().item() < 5.0  # degraded, but still a model output
+    # Rank 8 of 128 features degrades the logits (measured: 0.20 relative error) ...
+    assert _rel_err(out, ref) < 0.4
+    # ... but far less than logits of zeros or a cache that forgets earlier tokens (1.0).
+    assert _rel_err(mx.zeros_like(ref), ref) > 0.4
+    forgetful = _run(model, [_Forgetful() for _ in caches], tokens, 128)
+    assert _rel_err(forgetful, ref) > 0.4
     for c in caches:
         # Nothing full-size: the window holds only tokens not yet compressed.
         assert c.win_k.shape[2] == c.offset - c.win_start < BLOCK
@@ -173,20 +192,22 @@ def test_shared_token_factor_held_once(model):
     assert member.nbytes < leader.nbytes
 
 
-def test_units_move_only_after_all_members_published(model):
+def test_units_move_after_the_pass_that_completes_them(model):
     tokens = _tokens(1, n=BLOCK + 33)
-    caches = KVCacheBuilder.for_model(model, _cfg())
+    caches = KVCacheBuilder.for_model(model, _cfg(rank_k=4, rank_v=4))
+    never = KVCacheBuilder.for_model(model, _cfg(rank_k=4, rank_v=4, block=4 * BLOCK))
     coord = caches[0].layer.coordinator
-    model(tokens[:, :BLOCK], cache=caches)
-    assert all(not c.basis and c.pending for c in caches)  # published, still in window
-    assert coord.svd_calls == 0
-    model(tokens[:, BLOCK:BLOCK + 1], cache=caches)
+    out = model(tokens[:, :BLOCK], cache=caches)
+    # The pass that completes the block attends over the full-precision window (as a
+    # cache whose block never completes) ...
+    assert mx.array_equal(out, model(tokens[:, :BLOCK], cache=never)).item()
+    # ... and right after it every member holds factors; the coordinator holds nothing.
     assert all(c.basis and not c.pending and c.win_start == BLOCK for c in caches)
     # 3 groups x (keys, values): one SVD each, and no more for later tokens.
-    assert coord.svd_calls == 6
-    model(tokens[:, BLOCK + 1:], cache=caches)  # 65 tokens: one step of 32 published
-    assert all(c.pending == [(BLOCK, 32)] for c in caches)
-    model(tokens[:, :1], cache=caches)
+    assert coord.svd_calls == 6 and coord.pending_bytes() == 0
+    model(tokens[:, BLOCK:BLOCK + 1], cache=caches)
+    assert all(c.win_start == BLOCK and not c.pending for c in caches)
+    model(tokens[:, BLOCK + 1:], cache=caches)  # 32 more: one projection step
     assert all(c.win_start == BLOCK + 32 and not c.pending for c in caches)
     assert caches[0].shared["values"].shape[-1] == BLOCK + 32
     assert coord.svd_calls == 6 and coord.pending_bytes() == 0
@@ -199,13 +220,17 @@ def test_one_token_prompt(model):
     assert mx.allclose(out, ref, atol=1e-2).item()
 
 
-@pytest.mark.parametrize("bits,tol", [(8, 0.1), (4, 1.0)])
+# Measured max |logit error|: 8 bits 0.031, 4 bits 0.078, 3 bits 0.16, 2 bits 0.35.
+@pytest.mark.parametrize("bits,tol", [(8, 0.05), (4, 0.12)])
 def test_quantized_factors(model, bits, tol):
     tokens = _tokens(1, n=FULL + 40)
     ref = _run(model, make_prompt_cache(model), tokens, FULL + 32)
     caches = KVCacheBuilder.for_model(model, _cfg(block=FULL, factor_bits=bits))
     out = _run(model, caches, tokens, FULL + 32)
     assert mx.abs(out - ref).max().item() < tol
+    # The tolerance resolves the code width: factors coded with half the bits fail it.
+    half = KVCacheBuilder.for_model(model, _cfg(block=FULL, factor_bits=bits // 2))
+    assert mx.abs(_run(model, half, tokens, FULL + 32) - ref).max().item() > tol
     full = KVCacheBuilder.for_model(model, _cfg(block=FULL))
     _run(model, full, tokens, FULL + 32)
     assert cache_stats(caches)["held_bytes"] < cache_stats(full)["held_bytes"]
@@ -243,8 +268,10 @@ def test_wrong_shape_input(model):
 
 # ---- embedded model ----
 @pytest.mark.slow
-def test_embedded_model_short_context():
+@pytest.mark.usefixtures("no_buffer_cache")
+def test_embedded_model_short_context(monkeypatch):
     from veloxquant_mlx import models
+    from veloxquant_mlx.eval.memory import measure_retained
     from veloxquant_mlx.eval.perplexity import perplexity_through_cache
     from veloxquant_mlx.eval.text import encode, load_text
 
@@ -256,9 +283,22 @@ def test_embedded_model_short_context():
                         factor_bits=4)
     got = perplexity_through_cache(model, tokens,
                                    lambda: KVCacheBuilder.for_model(model, cfg), 256, 32)
-    assert got["ratio"] < 0.9
     assert abs(got["held_bytes"] / got["accounted_bytes"] - 1) < 0.05
     assert got["ppl"] < dense["ppl"] * 1.3, (got["ppl"], dense["ppl"])
+
+    def real_declared_fp16() -> list[tuple[int, int, int]]:
+        r = measure_retained(model, cfg, tokens[:256], 32, decode_tokens=tokens[256:288])
+        return [tuple(r[f"{k}_{t}_bytes"] for k in ("real", "declared", "fp16"))
+                for t in ("prefill", "decode")]
+
+    # Allocator bytes after the prefill and after 32 decode steps (measured: 0.30 and 0.27
+    # of the fp16 size, as declared) ...
+    for real, declared, fp16 in real_declared_fp16():
+        assert real <= 1.05 * declared and real < 0.35 * fp16, (real, declared, fp16)
+    # ... which a cache keeping a dense copy beside its factors fails.
+    keep_dense_copy(monkeypatch, XKVCache)
+    for real, declared, fp16 in real_declared_fp16():
+        assert real > 1.05 * declared and real > 0.35 * fp16, (real, declared, fp16)
 
 
 def test_non_contiguous_groups_work(model, monkeypatch):

@@ -1,7 +1,19 @@
-"""``KVCacheBuilder.for_model``: one cache per layer for any mlx_lm model."""
+"""``KVCacheBuilder.for_model``: one cache per KV cache slot for any mlx_lm model.
+
+What a method compresses comes from the model itself. ``probe_model`` runs a two-token
+probe with a stand-in in every KV slot of ``model.make_cache()`` (``integration.mlx_lm``)
+and learns each slot's real shapes, the module that updates it and how its attention
+runs, whatever the projections are called. Plain full-attention slots (mlx_lm's
+``KVCache``) get the method's cache; sliding-window slots (``RotatingKVCache``) get it
+natively or as a ring over its compressed form (``cache.sliding``) where the method
+supports that; every other slot (recurrent state, chunked or list caches) keeps the
+model's own cache. Layers whose attention does not reach ``attend`` get a transient
+dense reconstruction, or the build is refused (``check_attention_routing``).
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import mlx.core as mx
@@ -9,88 +21,131 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from .cache.base import CompressedCache, LayerInfo
+from .cache.sliding import SlidingCache, sliding_mode
 from .config import KVCacheConfig
+from .errors import UnsupportedModelError
 from .integration.mlx_lm import (
-    attention_layout,
-    attention_module,
+    SlotProbe,
     check_attention_routing,
     install_attention_routing,
+    method_caps,
     model_layers,
-    probe_layers,
+    model_name,
+    probe_model,
     rope_params,
     uninstall_attention_routing,
+    uninstall_reconstruction,
 )
 from .registry import get_method, methods
 
 
+def _block_of(blocks: list[nn.Module], module: nn.Module | None) -> nn.Module | None:
+    """The transformer block that holds ``module`` (the attention that owns a slot)."""
+    if module is None:
+        return None
+    for block in blocks:
+        if block is module or any(m is module for m in block.modules()):
+            return block
+    return None
+
+
+def _model_type(model: nn.Module) -> str:
+    args = getattr(model, "args", None)
+    return str(getattr(args, "model_type", "") or "")
+
+
+def _modes(method_cls: type, probes: list[SlotProbe | None],
+           infos: list[LayerInfo | None]) -> dict[int, str]:
+    """Slot -> how the method compresses it: ``"full"``, ``"native"`` or ``"ring"``."""
+    out: dict[int, str] = {}
+    for i, (probe, info) in enumerate(zip(probes, infos)):
+        if probe is None or info is None:
+            continue
+        if probe.window is None:
+            if method_cls.supports_layer(probe.cache):
+                out[i] = "full"
+        elif probe.window_agrees:  # else mlx_lm's own ring: its quirks are the output
+            mode = sliding_mode(method_cls, probe.cache)
+            if mode is not None:
+                out[i] = mode
+    return out
+
+
+def _nothing_to_compress(model: nn.Module, method: str,
+                         probes: list[SlotProbe | None]) -> UnsupportedModelError:
+    kinds = Counter(type(c).__name__ for c in make_prompt_cache(model))
+    have = ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items())) or "none"
+    unused = [p.slot for p in probes if p is not None and not p.used]
+    extra = f"; KV slot(s) {unused} are never used by the model's attention" if unused else ""
+    return UnsupportedModelError(
+        f"{model_name(model)} has no plain full-attention layers that method {method!r} "
+        f"can compress: its cache slots are {have}{extra}. Compressed: plain KV caches (mlx_lm's "
+        "KVCache) and, for some methods, sliding-window ones (RotatingKVCache); "
+        "recurrent, chunked, list and model-specific caches keep the model's own.")
+
+
 class KVCacheBuilder:
-    """Builds the per-layer caches of a model for a ``KVCacheConfig``."""
+    """Builds the per-slot caches of a model for a ``KVCacheConfig``."""
 
     @staticmethod
-    def layer_infos(model: nn.Module) -> list[LayerInfo | None]:
-        """Per-layer shape facts; ``None`` for blocks without self-attention."""
-        args = getattr(model, "args", None)
+    def layer_infos(model: nn.Module,
+                    probes: list[SlotProbe | None] | None = None) -> list[LayerInfo | None]:
+        """Shape facts per cache slot of ``model.make_cache()``; ``None`` for slots that
+        are not KV caches the model's attention uses.
+
+        ``layer_idx`` is the slot index (the layer index wherever the model gives every
+        layer one cache); heads and head dims are what the layer really hands its cache.
+        """
+        probes = probe_model(model) if probes is None else probes
+        try:
+            blocks = model_layers(model)
+        except ValueError:
+            blocks = []
         infos: list[LayerInfo | None] = []
-        blocks = model_layers(model)
-        for idx, block in enumerate(blocks):
-            attn = attention_module(block)
-            if attn is None:
+        for p in probes:
+            if p is None or not p.used:
                 infos.append(None)
                 continue
-            lay = attention_layout(attn, args)
+            n_kv_heads, head_dim, v_head_dim = p.shape
             infos.append(LayerInfo(
-                layer_idx=idx, n_layers=len(blocks), n_kv_heads=lay.n_kv_heads,
-                head_dim=lay.head_dim, v_head_dim=lay.v_head_dim, attention=attn, block=block,
-                model_type=str(getattr(args, "model_type", "")), **rope_params(lay.rope),
+                layer_idx=p.slot, n_layers=len(probes), n_kv_heads=n_kv_heads,
+                head_dim=head_dim, v_head_dim=v_head_dim, attention=p.owner,
+                block=_block_of(blocks, p.owner), model_type=_model_type(model),
+                sliding_window=p.window, **rope_params(getattr(p.owner, "rope", None)),
             ))
         return infos
 
     @classmethod
-    def eligible_layers(cls, model: nn.Module, method_cls: type) -> tuple[list[Any], list[int],
-                                                                          list[LayerInfo]]:
-        """The model's own caches, and the indices / infos of the layers to compress."""
-        infos = cls.layer_infos(model)
-        default_caches = make_prompt_cache(model)
-        if len(default_caches) != len(infos):
-            raise ValueError(
-                f"model.make_cache() gave {len(default_caches)} caches for {len(infos)} layers")
-        eligible = [i for i, (info, c) in enumerate(zip(infos, default_caches))
-                    if info is not None and method_cls.supports_layer(c)]
-        if not eligible:
-            raise ValueError(
-                f"model {type(model).__module__}.{type(model).__name__} has no plain "
-                f"full-attention layers that method {method_cls.method!r} can compress")
-        return default_caches, eligible, [infos[i] for i in eligible]
-
-    @classmethod
     def for_model(cls, model: nn.Module, config: KVCacheConfig | None = None,
                   **options: Any) -> list[Any]:
-        """One cache per layer; layers the method does not support keep the model's own.
+        """One cache per slot; slots the method does not compress keep the model's own.
 
         ``options`` are ``KVCacheConfig`` fields or method options, a shortcut for
         ``for_model(model, KVCacheConfig(**options))``. Raises ``UnsupportedModelError``
-        when the model's attention would bypass the compressed caches.
+        when the method cannot compress any layer, or when a layer's attention would
+        bypass the compressed cache and the method cannot rebuild dense keys for it.
         """
         if config is None:
             config = KVCacheConfig(**options)
         elif options:
             config = config.replace(**options)
         method_cls = get_method(config.method)
-        default_caches, eligible, layers = cls.eligible_layers(model, method_cls)
-        probes = probe_layers(model, eligible)
-        for info in layers:
-            # What the layer really hands its cache wins over what its attributes say.
-            shape = probes[info.layer_idx].shape
-            if shape is not None:
-                info.n_kv_heads, info.head_dim, info.v_head_dim = shape
-        if method_cls.attends:
-            check_attention_routing(model, eligible, config.method, probes)
+        model_layers(model)  # a clear error for models without transformer blocks
+        probes = probe_model(model)
+        infos = cls.layer_infos(model, probes)
+        modes = _modes(method_cls, probes, infos)
+        if not modes:
+            raise _nothing_to_compress(model, config.method, probes)
+        slots = sorted(modes)
+        check_attention_routing(model, slots, config.method, probes, method_caps(method_cls))
+        layers = [infos[i] for i in slots]
         # Cross-layer methods assign groups and inject their shared coordinator.
         method_cls.assign_roles(layers, config, model)
-        caches = list(default_caches)
-        for i, info in zip(eligible, layers):
-            caches[i] = method_cls(config, info)
-        method_cls.after_build([caches[i] for i in eligible], config, model)
+        caches = make_prompt_cache(model)
+        for i, info in zip(slots, layers):
+            caches[i] = SlidingCache(method_cls, config, info) if modes[i] == "ring" \
+                else method_cls(config, info)
+        method_cls.after_build([caches[i] for i in slots], config, model)
         install_attention_routing(model)
         return caches
 
@@ -103,13 +158,14 @@ class KVCacheBuilder:
         """
         for method_cls in methods().values():
             method_cls.detach(model)
+        uninstall_reconstruction(model)
         uninstall_attention_routing()
 
 
 def cache_stats(caches: list[Any]) -> dict[str, Any]:
     """Totals over all layers: held, accounted and fp16-equivalent bytes and ratio.
 
-    Layers that keep the model's own cache (e.g. sliding-window layers) count their
+    Layers that keep the model's own cache (e.g. recurrent layers) count their
     ``nbytes`` as held and accounted, and the same tokens in float16 as fp16-equivalent.
     """
     held = accounted = fp16 = 0

@@ -14,9 +14,10 @@ from .options import UNPREFIXED_01
 def _user_errors() -> tuple[type[Exception], ...]:
     from .integration.mlx_lm import UnsupportedModelError
     from .integration.prompt_cache import NotTrimmableError, PromptCacheError
+    from .models.gguf import GGUFError
 
     return (ConfigError, UnsupportedModelError, PromptCacheError, NotTrimmableError,
-            FileNotFoundError)
+            FileNotFoundError, GGUFError)
 
 
 def _option_flags() -> dict[str, tuple[str, set[str], list[str]]]:
@@ -94,10 +95,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import mlx_lm
 
     from .builder import KVCacheBuilder, cache_stats
-    from .models import load
+    from .integration.distributed import load_for_ranks
 
     config = config_from_args(args)
-    model, tokenizer = load(args.model)
+    # Under mlx.launch: sharded over the ranks; rank 0 prints.
+    model, tokenizer = load_for_ranks(args.model, args, [config])
     prompt = args.prompt
     if args.chat or (args.chat is None and tokenizer.chat_template):
         prompt = tokenizer.apply_chat_template(
@@ -154,7 +156,7 @@ def _eval_specs(args: argparse.Namespace) -> list[Any]:
 def cmd_eval(args: argparse.Namespace) -> int:
     from .eval.sweep import EVAL_FULL, EVAL_QUICK, eval_markdown, run_eval, write_eval_outputs
     from .eval.text import load_text
-    from .models import load
+    from .integration.distributed import load_for_ranks
 
     specs = _eval_specs(args)  # bad specs fail before the model loads
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()] if args.contexts \
@@ -166,7 +168,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     params = {k: (defaults[k] if v is None else v) for k, v in params.items()}
     depths = [float(d) for d in args.depths.split(",") if d.strip()]
     text = load_text(args.text)
-    model, tokenizer = load(args.model)
+    model, tokenizer = load_for_ranks(args.model, args, specs)  # sharded under mlx.launch
     record = run_eval(model, tokenizer, specs, args.task, params, text=text,
                       text_name=args.text, seed=args.seed, chunk=args.chunk, recon=args.recon,
                       depths=depths, n_needles=args.needles, max_tokens=args.max_new_tokens,
@@ -204,6 +206,62 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, record)
     return 0
+
+
+def _parse_bytes(text: str) -> int:
+    """``"2GB"``, ``"512MiB"``, ``"1e9"`` -> bytes."""
+    units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20,
+             "gib": 2**30}
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        if unit not in units:
+            raise ValueError(unit)
+        return int(float(num) * units[unit])
+    except ValueError:
+        raise ConfigError(f"--max-memory={text!r} is not allowed: a size such as 2GB, "
+                          "512MiB or 1e9") from None
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .eval.text import load_text
+    from .eval.tune import FULL, QUICK, TuneParams, budget_for_memory, run_tune, tune_markdown
+    from .models import load
+
+    if (args.budget is None) == (args.max_memory is None):
+        raise ConfigError("tune: give exactly one of --budget (a fraction of fp16) and "
+                          "--max-memory (with --context)")
+    defaults = dict(QUICK if args.quick else FULL)
+    context = args.context or defaults.pop("context", 2048)
+    defaults.pop("context", None)
+    model, tokenizer = load(args.model)
+    budget = args.budget if args.budget is not None else budget_for_memory(
+        model, _parse_bytes(args.max_memory), context)
+    params = TuneParams(budget=budget, context=context, seed=args.seed,
+                        only=tuple(m for m in (args.only or "").split(",") if m),
+                        **defaults)
+    result = run_tune(model, tokenizer, params, args.out, text=load_text(args.text),
+                      progress=args.progress)
+    print(tune_markdown(result))
+    print(f"wrote {args.out} (load it with --config {args.out})")
+    return 0
+
+
+def _add_tune_parser(sub: Any) -> None:
+    """The ``tune`` subcommand: the best config for a memory budget."""
+    p = sub.add_parser("tune", help="measure candidate configs; write the best one for a "
+                       "memory budget")
+    p.add_argument("--budget", type=float, default=None,
+                   help="KV bytes allowed, as a fraction of fp16 (e.g. 0.2)")
+    p.add_argument("--max-memory", default=None,
+                   help="KV bytes allowed at --context (e.g. 2GB); instead of --budget")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens of context to tune for (default 2048; --quick 1024)")
+    p.add_argument("--only", default=None, help="comma-separated methods to consider")
+    p.add_argument("--out", required=True, help="JSON file for the result")
+    add_common_eval_arguments(p)
+    p.set_defaults(func=cmd_tune)
 
 
 def _add_eval_parser(sub: Any) -> None:
@@ -285,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     # eval / bench subcommands
     _add_eval_parser(sub)
     _add_bench_parser(sub)
+    _add_tune_parser(sub)
 
     # serve subcommand
     from .integration.server import add_serve_arguments

@@ -133,7 +133,12 @@ class AffineCache(CompressedCache):
             self._append_codes(wk[:, :, :overflow].astype(keys.dtype),
                                wv[:, :, :overflow].astype(values.dtype))
             wk, wv = wk[:, :, overflow:], wv[:, :, overflow:]
-        self.win_keys, self.win_values = wk.astype(wdt), wv.astype(wdt)
+        wk, wv = wk.astype(wdt), wv.astype(wdt)
+        if overflow > 1:
+            # A kept slice pins its whole parent (window + chunk): copy it out (no-op when
+            # the cast made a new buffer). A decode step pins one token more, no copy.
+            wk, wv = mx.contiguous(wk), mx.contiguous(wv)
+        self.win_keys, self.win_values = wk, wv
         return keys, values
 
     def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
@@ -194,8 +199,9 @@ class AffineCache(CompressedCache):
         keep = self.offset - n
         if keep >= self.n_q:
             w = keep - self.n_q
-            self.win_keys = self.win_keys[:, :, :w] if w else None
-            self.win_values = self.win_values[:, :, :w] if w else None
+            # Copies: a kept slice would pin the trimmed tail.
+            self.win_keys = mx.contiguous(self.win_keys[:, :, :w]) if w else None
+            self.win_values = mx.contiguous(self.win_values[:, :, :w]) if w else None
         else:
             self.win_keys = self.win_values = None
             # Exact copies: the trimmed tail (and the reserve) is released.

@@ -42,6 +42,11 @@ def _dtype_named(name: str) -> mx.Dtype:
 copyreg.pickle(mx.Dtype, lambda d: (_dtype_named, (str(d).rpartition(".")[2],)))
 
 
+# Functions ``(method_cls, config, layer, state, meta_state) -> cache | None`` that
+# rebuild a saved layer whose cache wraps the method's own (``cache.sliding`` adds one).
+LAYER_RESTORERS: list[Any] = []
+
+
 class NotTrimmableError(ValueError, NotImplementedError):
     """A cache cannot drop tokens from its end."""
 
@@ -67,6 +72,8 @@ class LayerInfo:
     rope_base: float = 10000.0
     rope_traditional: bool = False
     rope_scale: float = 1.0
+    # Sliding-window layer (mlx_lm's RotatingKVCache): its attention window in tokens.
+    sliding_window: int | None = None
     # Not saved: live objects injected by the builder.
     coordinator: Any = field(default=None, repr=False, compare=False)
     attention: Any = field(default=None, repr=False, compare=False)
@@ -176,6 +183,12 @@ class CompressedCache(_BaseCache, ABC):
         """Remove whatever ``after_build`` installed on ``model`` (default: nothing)."""
 
     @classmethod
+    def tune_grid(cls, context: int) -> list[dict[str, Any]]:
+        """Option sets ``veloxquant tune`` tries at ``context`` tokens, spanning the
+        method's useful range of compression (default: none, the method is not tuned)."""
+        return []
+
+    @classmethod
     def from_saved(cls, config: KVCacheConfig, layer: LayerInfo, state: Any,
                    meta_state: tuple[str, ...]) -> CompressedCache:
         """Rebuild a saved cache: ``meta_state`` first (it says how ``state`` is laid out).
@@ -183,6 +196,10 @@ class CompressedCache(_BaseCache, ABC):
         ``layer`` already carries the roles and the fresh coordinator that
         ``assign_roles`` injected.
         """
+        for restore in LAYER_RESTORERS:  # e.g. a sliding-window ring over this method
+            cache = restore(cls, config, layer, state, meta_state)
+            if cache is not None:
+                return cache
         cache = cls(config, layer)
         cache.meta_state = meta_state
         cache.state = state
@@ -195,9 +212,15 @@ class CompressedCache(_BaseCache, ABC):
                                   "its own attention")
 
     def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
-        """A transient dense copy of the keys/values held (diagnostics only)."""
+        """A transient dense copy of the keys/values held (diagnostics, and layers whose
+        attention does not reach ``attend``: see ``integration.mlx_lm``)."""
         raise NotImplementedError(f"{type(self).__name__} ({self.method!r}) has no dense "
                                   "reconstruction of its keys and values")
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """mlx_lm's name for reading a cache without updating it (models whose layers
+        share K/V call it): a transient dense reconstruction, as ``dense_kv``."""
+        return self.dense_kv()
 
     def is_trimmable(self) -> bool:
         return False
@@ -318,7 +341,8 @@ class CompressedCache(_BaseCache, ABC):
                 f"v_head_dim={self.layer.v_head_dim}")
         if self.batch_size and B != self.batch_size:
             raise ValueError(f"{self.method}: batch size changed from {self.batch_size} to {B}")
-        if L > 1 and not mx.all(mx.isfinite(keys) & mx.isfinite(values)).item():
+        # Checked apart: keys and values may differ in width (MLA latents, v_head_dim).
+        if L > 1 and not (mx.all(mx.isfinite(keys)) & mx.all(mx.isfinite(values))).item():
             # Checked on prompt chunks only: a check per decode step would force a sync
             # in every layer. Compressing NaN/Inf would silently poison the whole cache.
             raise ValueError(

@@ -41,6 +41,11 @@ class DenseCache(CompressedCache):
         self.values[..., prev:self.offset, :] = values
         return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
 
+    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+        """The held keys/values (views of the buffers; cast when ``dtype`` is given)."""
+        k, v = self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
+        return (k, v) if dtype is None else (k.astype(dtype), v.astype(dtype))
+
     def held_arrays(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]
 

@@ -85,9 +85,12 @@ class KIVICache(CompressedCache):
         require_group_divides(self.layer, self.group_size, self.method)
 
     # ---- storage ----
-    def _flush(self) -> None:
-        """Quantize what has left the residual (keys: whole blocks of R; values: > R)."""
+    def _flush(self) -> bool:
+        """Quantize what has left the residual (keys: whole blocks of R; values: > R).
+
+        Returns whether a key block was quantized."""
         R = self.window
+        block = False
         if self.res_keys is not None:
             n = self.res_keys.shape[2]
             n_q = n - n % R
@@ -96,7 +99,10 @@ class KIVICache(CompressedCache):
                 qk = q.quantize_tokens(self.res_keys[:, :, :n_q].astype(mx.float32),
                                        self.n_bits, self.group_size)
                 self.qkeys = qk if self.qkeys is None else q.concat_packed([self.qkeys, qk])
-                self.res_keys = self.res_keys[:, :, n_q:] if n_q < n else None
+                # Only a multi-token chunk leaves a remainder: copy it, or the slice
+                # would pin the whole residual it was cut from.
+                self.res_keys = mx.contiguous(self.res_keys[:, :, n_q:]) if n_q < n else None
+                block = True
         if self.res_values is not None:
             n = self.res_values.shape[2]
             if n > R:
@@ -105,6 +111,11 @@ class KIVICache(CompressedCache):
                 self.qvalues = qv if self.qvalues is None else q.concat([self.qvalues, qv],
                                                                         axis=2)
                 self.res_values = self.res_values[:, :, n - R:]
+                if n - R > 1:
+                    # The slice pins its parent (residual + chunk): copy it. A decode step
+                    # pins one token more than R, no copy.
+                    self.res_values = mx.contiguous(self.res_values)
+        return block
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.check_input(keys, values)
@@ -135,7 +146,12 @@ class KIVICache(CompressedCache):
     # ---- attention ----
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         out = self._attend_split(queries, scale, mask, packed=self.use_quantized_matmul)
-        self._flush()  # as the reference: the new tokens were attended in full precision
+        # As the reference: the new tokens were attended in full precision.
+        if self._flush() and queries.shape[2] == 1:
+            # A decode step completed a key block (once per R steps): evaluate the codes
+            # now. Left lazy (the step's logits do not need them), their graph would keep
+            # the old codes and the block's full-precision keys alive until the next step.
+            mx.eval(*self.held_arrays())
         return out
 
     def _attend_split(self, queries: mx.array, scale: float, mask: Any,

@@ -118,7 +118,12 @@ class MiniCacheCache(CompressedCache):
 
     @classmethod
     def assign_roles(cls, layers: list[LayerInfo], config: KVCacheConfig, model: Any) -> None:
-        """Pair adjacent layers of the merge range and inject one coordinator."""
+        """Pair adjacent layers of the merge range and inject one coordinator.
+
+        ``layers`` holds only the layers this method compresses: layers of another kind
+        in between (recurrent, sliding-window) are skipped, and only layers of the same
+        KV shape pair.
+        """
         if not layers:
             return
         opts = config.options
@@ -132,7 +137,7 @@ class MiniCacheCache(CompressedCache):
             a = layers[i]
             b = layers[i + 1] if i + 1 < len(layers) else None
             in_range = start <= a.layer_idx and b is not None and b.layer_idx <= end
-            if in_range and b.layer_idx == a.layer_idx + 1 and \
+            if in_range and \
                     (a.n_kv_heads, a.head_dim, a.v_head_dim) == \
                     (b.n_kv_heads, b.head_dim, b.v_head_dim):
                 for m, info in enumerate((a, b)):

@@ -189,7 +189,9 @@ class MiniCacheCoordinator:
         self._merge_part(s.values, v0[:, :, :n], v1[:, :, :n], s.n_merged)
         s.n_merged += n
         for m, (k, v) in enumerate(s.pending):
-            s.pending[m] = None if k.shape[2] == n else (k[:, :, n:], v[:, :, n:])
+            # Copies (once per merged block): a kept slice would pin the whole window.
+            s.pending[m] = None if k.shape[2] == n else (mx.contiguous(k[:, :, n:]),
+                                                           mx.contiguous(v[:, :, n:]))
 
     def _merge_part(self, part: _Part, x0: mx.array, x1: mx.array, start: int) -> None:
         direction, n0, n1, dist = slerp_merge(x0, x1, self.t)

@@ -171,7 +171,8 @@ class SnapKVCache(CompressedCache):
                 q = queries.astype(mx.float32)
                 if self.obs_queries is not None and L < self.window:
                     q = mx.concatenate([self.obs_queries, q], axis=2)
-                self.obs_queries = q[:, :, -self.window:]
+                # A copy: the slice would pin the whole chunk's queries until decode.
+                self.obs_queries = mx.contiguous(q[:, :, -self.window:])
         # New tokens are always the last L held ones, so "causal" aligns at the end.
         return sdpa(queries, self.keys, self.values, scale, "causal" if L > 1 else None)
 

@@ -30,6 +30,7 @@ from ..config import KVCacheConfig
 from ..options import MethodOptions
 from ..registry import register
 from .base import CompressedCache, LayerInfo
+from .sliding import sliding_window_of
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class StreamingCache(CompressedCache):
         super().__init__(config, layer)
         self.sink = self.opts.sink
         self.window = self.opts.window
+        if self.layer.sliding_window:
+            # A local layer never attends beyond its window: keep at most that, no sinks.
+            self.sink, self.window = 0, min(self.window, self.layer.sliding_window)
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         # Ring slot (within the window part) holding the oldest recent token.
@@ -72,6 +76,12 @@ class StreamingCache(CompressedCache):
         # the position of the chunk's first token. Released by ``attend``.
         # "ring" after an in-place decode step.
         self._pending: tuple[mx.array, mx.array, mx.array, int] | str | None = None
+
+    @classmethod
+    def supports_layer(cls, layer_cache: Any) -> bool:
+        # Sliding-window layers too: the ring is then bounded by the layer's window.
+        return super().supports_layer(layer_cache) or \
+            sliding_window_of(layer_cache) is not None
 
     # ---- positions of the held tokens ----
     def _held_positions(self) -> mx.array:
@@ -123,6 +133,10 @@ class StreamingCache(CompressedCache):
             all_k = mx.concatenate(keep_k, axis=2) if self.sink else keep_k[1]
             all_v = mx.concatenate(keep_v, axis=2) if self.sink else keep_v[1]
         self.keys, self.values = all_k.astype(wdt), all_v.astype(wdt)
+        if n > self.sink + self.window and not self.sink:
+            # Without sinks the kept window is a slice pinning held + chunk: copy it (a
+            # no-op after a cast). Only multi-token chunks evict, never a decode step.
+            self.keys, self.values = mx.contiguous(self.keys), mx.contiguous(self.values)
         self.ring = 0
         return keys, values
 
@@ -153,6 +167,28 @@ class StreamingCache(CompressedCache):
         keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                     mask=band)
+
+    # ---- layers that attend by themselves (see integration.mlx_lm) ----
+    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+        """What the last chunk attends over, as ``attend`` would: sinks, the window
+        before it and the chunk in time order (one token: everything held, any order);
+        ``make_mask`` gives the matching band."""
+        pending = self._pending
+        if isinstance(pending, tuple) and self.offset - pending[3] > 1:
+            keys, values = pending[0], pending[1]
+        else:
+            keys, values = self.keys, self.values
+        return (keys, values) if dtype is None else (keys.astype(dtype), values.astype(dtype))
+
+    def make_mask(self, N: int, return_array: bool = False,
+                  window_size: int | None = None) -> mx.array | None:
+        """The band over what ``dense_kv`` returns after a chunk of ``N`` (``attend``
+        ignores the model's mask and builds the same band itself)."""
+        if N == 1:
+            return None
+        positions = mx.concatenate([self._held_positions(),
+                                    mx.arange(self.offset, self.offset + N)])
+        return self.band_mask(positions, self.offset, N)
 
     # ---- storage ----
     def held_arrays(self) -> list[mx.array]:

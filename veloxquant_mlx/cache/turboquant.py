@@ -149,6 +149,18 @@ class TurboQuantCache(CompressedCache):
         self.owns_rotation = True  # the builder leaves it to the first layer only
 
     @classmethod
+    def tune_grid(cls, context: int) -> list[dict[str, Any]]:
+        # From about 4.5 to about 1.5 bits per value; a window of recent tokens in fp16
+        # costs (16 - bits) / context of a bit per value, so it shrinks with the budget.
+        widths = [(4, 4, 64), (4, 4, 32), (4, 3, 32), (3.5, 3, 16), (3, 3, 16),
+                  (3, 2.5, 16), (2.5, 2.5, 16), (2.5, 2, 8), (2, 2, 8), (2, 1.5, 8),
+                  (1.5, 1.5, 8)]
+        grid = [dict(k_bits=k, v_bits=v, window=w) for k, v, w in widths]
+        grid += [dict(quantizer="affine", k_bits=k, v_bits=v, window=32)
+                 for k, v in ((8, 8), (4, 4), (4, 3), (3, 3), (3, 2), (2, 2))]
+        return grid
+
+    @classmethod
     def after_build(cls, caches: list[CompressedCache], config: KVCacheConfig,
                     model: Any) -> None:
         # The rotations are shared by every layer: the first layer declares them.

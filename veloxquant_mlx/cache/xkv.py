@@ -16,8 +16,9 @@ full-precision window of tokens not yet compressed, and (the group leader, membe
 
 Timeline: mlx_lm calls layers 0..L-1 in order. When a unit (the SVD block or a
 projection step) is complete, every member publishes it in the same forward pass;
-it stays in every member's window and moves to factors on the member's next
-update, once all members have published and the shared factor exists.
+it stays in every member's window for that pass's attention and moves to factors
+right after the group's last member has attended (or on the member's next update),
+so the coordinator holds nothing between forward passes.
 
 Attention: values in factor space (``out = (p A) B_i + (sum p) mean_i``); keys
 stored after RoPE also (``scores = (q B_i^T) A``); keys stored before RoPE are
@@ -153,6 +154,7 @@ class XKVCache(CompressedCache):
         if info.coordinator is None:
             info.coordinator = XKVCoordinator(max_ctx=config.max_ctx)
         self.leader: XKVCache = self
+        self.members: list[XKVCache] = [self]  # leader only: the group, in member order
         self.win_k: mx.array | None = None
         self.win_v: mx.array | None = None
         self.win_start = 0  # position of the window's first token (= tokens compressed)
@@ -185,12 +187,11 @@ class XKVCache(CompressedCache):
     def assign_roles(cls, layers: list[LayerInfo], config: KVCacheConfig, model: Any) -> None:
         opts = config.options
         G = opts.group_layers
-        n = len(layers)
         if opts.grouping == "cka" and model is not None:
             groups = cka_groups(model, layers, G, opts.pre_rope)
         else:
             # Contiguous (also when loading a saved cache: the saved roles win).
-            groups = [list(range(g, min(g + G, n))) for g in range(0, n, G)]
+            groups = contiguous_groups(layers, G)
         coordinator = XKVCoordinator(max_ctx=config.max_ctx)
         for gid, members in enumerate(groups):
             for m, i in enumerate(members):
@@ -263,8 +264,9 @@ class XKVCache(CompressedCache):
                                      b @ b.swapaxes(-1, -2), stream=stream)
         self.pending.append((nxt, n))
 
-    def _adopt(self) -> None:
-        """Move published units whose shared factor exists from the window to factors."""
+    def _adopt(self, follow_up: bool = True) -> None:
+        """Move published units whose shared factor exists from the window to factors;
+        then (``follow_up``) publish what the adopted basis lets project."""
         info, coord = self.layer, self.layer.coordinator
         while self.pending:
             start, n = self.pending[0]
@@ -295,12 +297,26 @@ class XKVCache(CompressedCache):
                     A = got[stream]
                 self.leader._share(stream, start, A)
             self.pending.pop(0)
-            self.win_k, self.win_v = self.win_k[:, :, n:], self.win_v[:, :, n:]
+            # Copies (once per adopted unit): slices would pin the whole old window.
+            self.win_k = mx.contiguous(self.win_k[:, :, n:])
+            self.win_v = mx.contiguous(self.win_v[:, :, n:])
             self.win_start += n
             mx.eval(*self.held_arrays())
         # A basis adopted just now lets tokens already in the window be projected.
-        if self.basis and not self.pending:
+        if follow_up and self.basis and not self.pending:
             self._publish()
+
+    def _settle_group(self) -> None:
+        """Every member adopts what the group published in this forward pass.
+
+        Run by the group's last member after its attention, when every member has
+        attended: the adoption each member's next update would do, done earlier (its
+        state is not read in between), so the coordinator's raw blocks and projection
+        partials and the adopted tokens' windows do not outlive the forward pass.
+        Follow-up units are left to the next update, as before.
+        """
+        for member in self.leader.members:
+            member._adopt(follow_up=False)
 
     def _share(self, stream: str, start: int, A: mx.array) -> None:
         """Leader: append the group's token factor once (stored transposed [b, r, S])."""
@@ -329,6 +345,26 @@ class XKVCache(CompressedCache):
         bh = b.reshape(b.shape[0], b.shape[1], H, -1).transpose(0, 2, 1, 3)
         mh = mean.astype(mx.float32).reshape(b.shape[0], 1, H, -1).transpose(0, 2, 1, 3)
         return a, bh, mh
+
+    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+        """Transient dense keys/values: the factors' tokens (keys rotated back to their
+        positions) followed by the window (layers that attend by themselves)."""
+        info, Tc = self.layer, self.win_start
+        ks, vs = [], []
+        if Tc:
+            ak, bk, mk = self._factors("keys")
+            k = ak.swapaxes(-1, -2)[:, None] @ bk + mk
+            if self.pre_rope:
+                k = rotate(k, info.rope_dims, info.rope_base, info.rope_traditional,
+                           info.rope_scale, 0)
+            av, bv, mv = self._factors("values")
+            ks.append(k)
+            vs.append(av.swapaxes(-1, -2)[:, None] @ bv + mv)
+        ks.append(self.win_k.astype(mx.float32))
+        vs.append(self.win_v.astype(mx.float32))
+        dtype = dtype or self.compute_dtype
+        return (mx.concatenate(ks, axis=2).astype(dtype),
+                mx.concatenate(vs, axis=2).astype(dtype))
 
     def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
         info = self.layer
@@ -361,11 +397,22 @@ class XKVCache(CompressedCache):
             pc = p[..., :Tc]
             out = out + (pc @ av.swapaxes(-1, -2)[:, None, None]) @ bv[:, :, None] \
                 + pc.sum(axis=-1, keepdims=True) * mv[:, :, None]
-        return out.reshape(B, Hq, L, -1).astype(dtype)
+        out = out.reshape(B, Hq, L, -1).astype(dtype)
+        if info.member_idx == info.group_size - 1:
+            self._settle_group()
+        return out
 
     # ---- storage accounting ----
+    def _coordinator_arrays(self) -> list[mx.array]:
+        """Leader: what the coordinator still holds for the group (published blocks and
+        partials not consumed, results not handed to every member): counted once."""
+        if self.layer.member_idx != 0 or self.layer.coordinator is None:
+            return []
+        return self.layer.coordinator.group_arrays(self.layer.group_id)
+
     def held_arrays(self) -> list[mx.array]:
-        out = [a for a in (self.win_k, self.win_v) if a is not None]
+        out = self._coordinator_arrays()
+        out.extend(a for a in (self.win_k, self.win_v) if a is not None)
         for own, mean, _ in self.basis.values():
             out.extend(_arrays(own))
             out.append(mean)
@@ -386,6 +433,7 @@ class XKVCache(CompressedCache):
             if stream in self.shared:
                 r = self.leader.basis[stream][2]
                 total += _bytes(b * r * self._shared_tokens(stream), self.factor_bits, STEP)
+        total += sum(a.nbytes for a in self._coordinator_arrays())
         return total + sum(m.nbytes for m in self.means.values())
 
     # ---- save / load ----
@@ -441,6 +489,26 @@ class XKVCache(CompressedCache):
         self.shared = {s: None for s in filter(None, v[4].split(";"))}
 
 
+def _kv_shape(info: LayerInfo) -> tuple[int, int, int]:
+    return (info.n_kv_heads, info.head_dim, info.v_head_dim)
+
+
+def contiguous_groups(layers: list[LayerInfo], G: int) -> list[list[int]]:
+    """Runs of up to ``G`` consecutive layers (indices into ``layers``) of one KV shape.
+
+    ``layers`` holds only the layers xKV compresses, so layers of another kind in
+    between (recurrent, sliding-window) are skipped; a shape change starts a group.
+    """
+    groups: list[list[int]] = []
+    for i, info in enumerate(layers):
+        last = groups[-1] if groups else None
+        if last and len(last) < G and _kv_shape(layers[last[0]]) == _kv_shape(info):
+            last.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def linear_cka(x: mx.array, y: mx.array) -> float:
     """Linear CKA of two ``[S, D]`` activations (1 = same up to rotation and scale)."""
     x = x - x.mean(axis=0)
@@ -480,7 +548,8 @@ def cka_groups(model: Any, layers: list[LayerInfo], G: int, pre_rope: bool = Tru
     groups = []
     while free:
         seed_layer = free.pop(0)
-        best = sorted(free, key=lambda j: -sim[seed_layer][j])[:G - 1]
+        same = [j for j in free if _kv_shape(layers[j]) == _kv_shape(layers[seed_layer])]
+        best = sorted(same, key=lambda j: -sim[seed_layer][j])[:G - 1]
         free = [j for j in free if j not in best]
         groups.append(sorted([seed_layer, *best]))
     return groups
@@ -488,11 +557,14 @@ def cka_groups(model: Any, layers: list[LayerInfo], G: int, pre_rope: bool = Tru
 
 def link_groups(caches: list[CompressedCache]) -> None:
     """Point every member of a group at its leader (member 0), who holds the shared
-    token factors."""
+    token factors and the group's members in order."""
     leaders = {c.layer.group_id: c for c in caches
                if isinstance(c, XKVCache) and c.layer.member_idx == 0}
-    for c in caches:
-        if isinstance(c, XKVCache):
-            if c.layer.group_id not in leaders:
-                raise ValueError(f"xkv group {c.layer.group_id} has no member 0")
-            c.leader = leaders[c.layer.group_id]
+    for leader in leaders.values():
+        leader.members = []
+    for c in sorted((c for c in caches if isinstance(c, XKVCache)),
+                    key=lambda c: c.layer.member_idx):
+        if c.layer.group_id not in leaders:
+            raise ValueError(f"xkv group {c.layer.group_id} has no member 0")
+        c.leader = leaders[c.layer.group_id]
+        c.leader.members.append(c)

@@ -161,14 +161,7 @@ class XKVCoordinator:
             raise ValueError(f"group {group_id}: members published different shapes {shapes}")
         S, D = parts[0].shape[-2], parts[0].shape[-1]
         G = expected_members
-        if rank is not None:
-            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-                raise ValueError(f"rank={rank!r} must be a positive integer")
-            if rank > G * D or rank > S:
-                raise ValueError(
-                    f"group {group_id}: rank={rank} exceeds min(S={S} tokens, G*D="
-                    f"{G}*{D}={G * D} features)"
-                )
+        _check_rank(group_id, rank, S, G, D)
         x = mx.concatenate([p.astype(mx.float32) for p in parts], axis=-1)  # [.., S, G*D]
         u, s, vt = truncated_svd(x, rank=rank, energy=energy_threshold)
         b = s[..., :, None] * vt  # [.., r, G*D]
@@ -201,6 +194,8 @@ class XKVCoordinator:
                 f"group {group_id} member {member_idx}: projection shapes "
                 f"{tuple(xb.shape)} / {tuple(bb.shape)} must be [.., S={n_tokens}, r] / "
                 "[.., r, r]")
+        # Both now: left lazy, ``bb`` would keep the intermediates it shares with ``xb``.
+        mx.eval(xb, bb)
         if not bool(mx.all(mx.isfinite(xb)).item()):
             raise ValueError(
                 f"group {group_id} member {member_idx} published {stream} with NaN or Inf "
@@ -264,6 +259,19 @@ class XKVCoordinator:
         """Total tokens the leader (member 0) of ``group_id`` has published."""
         return self._published.get(group_id, 0)
 
+    def group_arrays(self, group_id: int) -> list[mx.array]:
+        """Arrays held for ``group_id``: raw member matrices and projection partials not
+        yet consumed, memoized results not yet handed to every member."""
+        out: list[mx.array] = []
+        for key, entry in (*self._pending.items(), *self._proj.items()):
+            if key[-2] == group_id:
+                for value in entry["members"].values():
+                    out.extend(value if isinstance(value, tuple) else (value,))
+        for key, (result, _) in self._bases.items():
+            if key[-2] == group_id:
+                out.extend(result if isinstance(result, tuple) else (result,))
+        return out
+
     def pending_bytes(self) -> int:
         """Bytes of raw member matrices and memoized bases not yet handed out."""
         total = sum(a.nbytes for e in self._pending.values() for a in e["members"].values())
@@ -272,3 +280,16 @@ class XKVCoordinator:
         for t, _ in self._bases.values():
             total += sum(a.nbytes for a in (t if isinstance(t, tuple) else (t,)))
         return total
+
+
+def _check_rank(group_id: int, rank: int | None, S: int, G: int, D: int) -> None:
+    """``rank`` must be a positive integer within ``min(S, G * D)`` (or ``None``)."""
+    if rank is None:
+        return
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank={rank!r} must be a positive integer")
+    if rank > G * D or rank > S:
+        raise ValueError(
+            f"group {group_id}: rank={rank} exceeds min(S={S} tokens, G*D="
+            f"{G}*{D}={G * D} features)"
+        )

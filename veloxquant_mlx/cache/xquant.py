@@ -104,7 +104,8 @@ class XQuantCache(CompressedCache):
             raise ValueError(f"{cls.method} caches hook the model's attention: build them "
                              "with the model (load_prompt_cache(path, model))")
         was = x_hook_installed(model)
-        projs = install_x_hook([c.layer for c in caches], latent=cls.latent(config))
+        projs = install_x_hook([c.layer for c in caches], latent=cls.latent(config),
+                               model=model)
         try:
             for c in caches:
                 c.bind(projs[c.layer.layer_idx])
@@ -171,7 +172,12 @@ class XQuantCache(CompressedCache):
                 q.concat([a, b], axis=1) for a, b in zip(self.codes, qs)
             ]
             win = [w[:, overflow:] for w in win]
-        self.win = [w.astype(wdt) for w in win] if win[0].shape[1] else None
+        win = [w.astype(wdt) for w in win]
+        if overflow > 1:
+            # A kept slice pins its parent (window + chunk): copy it (a no-op after a
+            # cast). A decode step pins one token more than the window, no copy.
+            win = [mx.contiguous(w) for w in win]
+        self.win = win if win[0].shape[1] else None
         return old
 
     def _parts(self, dtype: mx.Dtype) -> list[mx.array]:
@@ -185,6 +191,14 @@ class XQuantCache(CompressedCache):
                 pieces.append(self.win[i].astype(dtype))
             out.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1))
         return out
+
+    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+        """Transient K/V of every held token, rematerialized through the layer's own
+        path (models whose other layers read this layer's keys and values)."""
+        if self.proj is None or not self.offset:
+            raise RuntimeError(f"{self.method}: no tokens held, or the X hook is not "
+                               "installed")
+        return self.proj.rematerialize(self._parts(mx.float32), dtype or mx.float32)
 
     # ---- storage ----
     def stored_arrays(self) -> list[mx.array]:
@@ -239,7 +253,8 @@ class XQuantCache(CompressedCache):
         n_codes = self.offset - self.n_window()
         if self.win is not None:
             w_keep = max(keep - n_codes, 0)
-            self.win = [w[:, :w_keep] for w in self.win] if w_keep else None
+            # Copies: a kept slice would pin the trimmed tail.
+            self.win = [mx.contiguous(w[:, :w_keep]) for w in self.win] if w_keep else None
         if self.codes is not None and keep < n_codes:
             self.codes = [_slice_tokens(c, keep) for c in self.codes] if keep else None
         self.offset = keep
@@ -247,8 +262,8 @@ class XQuantCache(CompressedCache):
 
 
 def _slice_tokens(c: q.Quantized, n: int) -> q.Quantized:
-    return q.Quantized(c.codes[:, :n], c.scales[:, :n], c.biases[:, :n], c.bits,
-                       c.group_size)
+    # Copies: slices would pin the trimmed codes.
+    return q.Quantized(*(mx.contiguous(a[:, :n]) for a in c.arrays), c.bits, c.group_size)
 
 
 @register
@@ -289,6 +304,10 @@ class XQuantCLCache(XQuantCache):
                 "residual stream"
             )
         super().bind(proj)
+
+    # Cross-layer deltas: a layer's input exists only while the model runs through
+    # every layer, so nothing else can read its keys (the base class refuses).
+    dense_kv = CompressedCache.dense_kv
 
     def update_x(self, x: mx.array, residual: mx.array | None,
                  proj: Any) -> list[mx.array] | None:

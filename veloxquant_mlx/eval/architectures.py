@@ -509,18 +509,81 @@ def _import_model_module(model_type: str) -> types.ModuleType:
             del sys.modules["hf_olmo"]
 
 
-def build_tiny(model_type: str, seed: int = 0) -> nn.Module:
-    """A tiny random ``Model`` of ``model_type`` from the catalog, parameters evaluated.
+# Widths doubled by ``build_tiny(..., wide=True)``: hidden sizes and head dims under
+# every name the catalog uses (head counts, layer counts and vocabularies stay).
+_WIDTH_KEYS = frozenset({
+    "hidden_size", "head_dim", "d_model", "n_embd", "model_dim", "hidden_dim",
+    "kv_channels", "hidden_size_per_head", "swa_head_dim", "swa_v_head_dim", "v_head_dim",
+    "qk_nope_head_dim", "kv_lora_rank", "q_lora_rank", "global_head_dim",
+    "linear_key_head_dim", "linear_value_head_dim", "index_head_dim", "mamba_d_head",
+    "block_dim", "mamba_d_ssm", "rotary_dim", "mamba_head_dim", "dim_model_base",
+})
 
-    The weights come from mlx's global generator, seeded with ``seed`` (same seed, same
-    weights). Raises ``KeyError`` for a type the catalog lacks.
-    """
+
+def _widened(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return value
+    out = {}
+    for k, v in value.items():
+        if isinstance(v, int) and not isinstance(v, bool) and k in _WIDTH_KEYS:
+            out[k] = 2 * v
+        elif k == "qk_rope_head_dim" and isinstance(v, int):
+            out[k] = 4 * v  # MLA: the cached RoPE key part becomes 32 wide too
+        else:
+            out[k] = _widened(v)
+    return out
+
+
+# Mixture-of-experts top-k names, and the expert counts they can be raised to.
+_TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_top_k",
+              "moe_topk")
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+# mlx_lm's llama4 routes every token to exactly one expert.
+_TOP1_ONLY = frozenset({"llama4"})
+
+
+def _all_experts(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return value
+    out = {k: _all_experts(v) for k, v in value.items()}
+    counts = [v for k, v in out.items() if k in _EXPERT_KEYS and isinstance(v, int)]
+    for k in _TOPK_KEYS:
+        if counts and isinstance(out.get(k), int):
+            out[k] = max(counts)
+    return out
+
+
+def tiny_args(model_type: str, wide: bool = False, all_experts: bool = False
+              ) -> dict[str, Any]:
+    """A fresh copy of the catalog's argument dict (see ``build_tiny``)."""
     if model_type not in ARCHITECTURES:
         raise KeyError(f"model type {model_type!r} is not in the catalog "
                        f"({len(ARCHITECTURES)} types; see ARCHITECTURES)")
+    args = copy.deepcopy(ARCHITECTURES[model_type])
+    args = _widened(args) if wide else args
+    return _all_experts(args) if all_experts and model_type not in _TOP1_ONLY else args
+
+
+def build_tiny(model_type: str, seed: int = 0, wide: bool = False,
+               all_experts: bool = False, overrides: dict[str, Any] | None = None
+               ) -> nn.Module:
+    """A tiny random ``Model`` of ``model_type`` from the catalog, parameters evaluated.
+
+    The weights come from mlx's global generator, seeded with ``seed`` (same seed, same
+    weights). ``wide`` doubles every width (head dims 32 instead of 16, MLA latents 64
+    and RoPE parts 32), so quantizers with groups of 32 apply to every cached width.
+    ``all_experts`` routes every token to every expert of a mixture-of-experts model:
+    with top-k routing, an error of half a percent in the keys flips expert choices of
+    a random tiny model and moves its logits by 10-25%, which says nothing about a
+    cache. ``overrides`` replace top-level arguments (e.g. a longer sliding window).
+    Raises ``KeyError`` for a type the catalog lacks.
+    """
+    raw = {**tiny_args(model_type, wide, all_experts), **(overrides or {})}
     module = _import_model_module(model_type)
     # Some ModelArgs write into their nested text_config: never hand them the catalog's.
-    args = module.ModelArgs.from_dict(copy.deepcopy(ARCHITECTURES[model_type]))
+    args = module.ModelArgs.from_dict(raw)
     mx.random.seed(seed)
     model = module.Model(args)
     mx.eval(model.parameters())

@@ -248,13 +248,7 @@ def split_method_list(text: str) -> list[str]:
 
 def config_label(config: KVCacheConfig) -> str:
     """``method:key=value,...`` with the fields that differ from the defaults."""
-    to_string = getattr(config, "to_string", None)
-    if callable(to_string):
-        return to_string()
-    base = KVCacheConfig(method=config.method).to_dict()
-    changed = [f"{k}={v}" for k, v in config.to_dict().items()
-               if k != "method" and v != base.get(k)]
-    return config.method + (":" + ",".join(changed) if changed else "")
+    return config.to_string()
 
 
 # ------------------------------------------------------------------ reconstruction

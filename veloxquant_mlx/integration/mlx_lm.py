@@ -1,33 +1,55 @@
-"""The glue to mlx_lm: attention routing, its build-time check, and model introspection.
+"""The glue to mlx_lm: attention routing, the build-time probe, and model introspection.
 
-mlx_lm's attention layers call a module-level ``scaled_dot_product_attention``
-imported by name from ``mlx_lm.models.base`` into each model module. Routing
-replaces that name in the loaded model modules with a wrapper that hands the
-call to ``cache.attend(queries, scale, mask)`` when the cache ``attends``, and to the
-original function otherwise, so models, ``generate``, ``stream_generate`` and
-``batch_generate`` run unmodified. ``uninstall_attention_routing`` puts the
-original back.
+Routing: mlx_lm's attention layers call a module-level ``scaled_dot_product_attention``
+imported by name from ``mlx_lm.models.base`` into each model module. Routing replaces
+that name in the loaded model modules with a wrapper that hands the call to
+``cache.attend(queries, scale, mask)`` when the cache ``attends``, and to the original
+function otherwise, so models, ``generate``, ``stream_generate`` and ``batch_generate``
+run unmodified. ``uninstall_attention_routing`` puts the original back.
 
-Some models compute attention themselves or call the MLX kernel directly; a cache
-that returns only the new chunk would then be attended to that chunk alone.
-``check_attention_routing`` runs a two-token probe through the model at build time
-(graph construction only, nothing is computed) and raises ``UnsupportedModelError``
-naming the model and layer when a probed layer's attention does not reach ``attend``.
-This module imports nothing from the rest of the package: caches are duck-typed.
+Probe: ``probe_model`` runs a two-token prompt chunk and one decode step through the
+model with a counting stand-in in every KV cache slot of ``model.make_cache()``
+(graph construction; a layer's keys are evaluated only when it hands attention keys
+other than the ones its cache returned). Per slot it learns the real KV shapes, the
+module that updates the cache, the modules that read it, and how the layer attends:
+through the routed function over exactly what its cache returned (*routable*), or
+otherwise: attention computed by hand or by ``mx.fast`` directly, keys tiled, rebuilt
+or cast after the cache, attention sinks, float score biases, K/V shared with other
+layers. No layer name (``k_proj``, ``qkv_proj``, ``c_attn``, ...) is needed.
+
+A layer that is not routable cannot use a cache's ``attend``. For methods that can
+rebuild their keys and values (``dense_kv``), ``check_attention_routing`` installs a
+reconstruction hook on the modules that touch that layer's cache: they see a view
+whose ``update_and_fetch`` and ``keys_and_values`` return a transient dense
+reconstruction (the stored form stays compressed) and attend over it themselves.
+Methods that only attend over their own form get ``UnsupportedModelError`` naming the
+layer and the feature. This module imports the rest of the package only lazily:
+caches are duck-typed.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from ..cache.module_call import bind_call, call_per_row
+from ..errors import UnsupportedModelError
+
+__all__ = ["AttentionLayout", "SlotProbe", "UnsupportedModelError", "attention_layout",
+           "attention_module", "attention_routing", "check_attention_routing",
+           "install_attention_routing", "install_reconstruction", "method_caps", "model_layers",
+           "model_name", "probe_model", "reconstruction_installed", "rope_params",
+           "routed_scaled_dot_product_attention", "routing_installed",
+           "uninstall_attention_routing", "uninstall_reconstruction"]
 
 _ORIGINAL_SDPA = mlx_base.scaled_dot_product_attention
 _PATCHED: dict[str, Any] = {}
@@ -146,7 +168,11 @@ def model_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def attention_module(block: nn.Module) -> nn.Module | None:
-    """The self-attention module of a block, or None (recurrent / MLP-only blocks)."""
+    """The self-attention module of a block with a ``k_proj``, or None.
+
+    Only the name-based view; ``probe_model`` finds every layer's attention module
+    (fused projections included) from the call that updates its cache.
+    """
     for name in ("self_attn", "attention", "attn", "mixer"):
         mod = getattr(block, name, None)
         if isinstance(mod, nn.Module) and hasattr(mod, "k_proj"):
@@ -181,111 +207,436 @@ def rope_params(rope: Any) -> dict[str, Any]:
     return {}
 
 
-# ---------------------------------------------------------------- routing check
-class UnsupportedModelError(ValueError):
-    """A method cannot run on this model (or layer) without giving wrong output."""
+def model_name(model: nn.Module) -> str:
+    """``model type 'llama'`` (or the class path when the model has no ``args``)."""
+    args = getattr(model, "args", None)
+    model_type = getattr(args, "model_type", None)
+    if model_type is None:  # multimodal wrappers keep the type on their text config
+        model_type = getattr(getattr(args, "text_config", None), "model_type", None)
+    return f"model type {model_type!r}" if model_type else \
+        f"model {type(model).__module__}.{type(model).__name__}"
+
+
+# ---------------------------------------------------------------- the probe
+# How a layer can fail to be routable, as the probe names it in errors.
+PROBLEMS: dict[str, str] = {
+    "bypass": "does not call mlx_lm's scaled_dot_product_attention (it computes "
+              "attention itself or calls mx.fast directly)",
+    "keys": "transforms the cached keys/values before attention (tiles, rebuilds or "
+            "casts them)",
+    "sinks": "passes attention sinks",
+    "float_mask": "passes a float score bias as mask",
+    "shared": "shares its cache with other layers (they attend over the keys it "
+              "returned)",
+    "read": "is read by other layers or the model (keys_and_values)",
+}
+
+
+def _received(frame: Any, target: Any) -> bool:
+    """Whether the function running in ``frame`` was handed ``target`` as an argument
+    (directly, or in ``*args`` / ``**kwargs``; a list of caches does not count)."""
+    code = frame.f_code
+    n = code.co_argcount + code.co_kwonlyargcount
+    names = code.co_varnames
+    if any(frame.f_locals.get(v) is target for v in names[:n]):
+        return True
+    if code.co_flags & 0x04 and any(a is target for a in frame.f_locals.get(names[n], ())):
+        return True
+    n += bool(code.co_flags & 0x04)
+    kwargs = frame.f_locals.get(names[n], {}) if code.co_flags & 0x08 else {}
+    return any(v is target for v in kwargs.values())
+
+
+def _caller(target: Any) -> tuple[nn.Module | None, bool]:
+    """The nearest ``nn.Module`` method on the stack above the calling cache method, and
+    whether it was handed ``target`` as an argument (a hook can then swap it)."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return None, False
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, nn.Module):
+            return obj, _received(frame, target)
+        frame = frame.f_back
+    return None, False
 
 
 class _ProbeCache(KVCache):
-    """Stands in for a compressed cache in the routing check: counts the calls."""
+    """Stands in for a compressed cache in the probe: records how the slot is used."""
 
     attends = True
 
-    def __init__(self) -> None:
+    def __init__(self, slot: int) -> None:
         super().__init__()
+        self.slot = slot
         self.updates = 0
         self.attended = 0
-        self.returned: tuple[mx.array, mx.array] | None = None
-        self.foreign_keys = False  # attention was handed keys this cache did not return
         self.shape: tuple[int, int, int] | None = None  # n_kv_heads, head_dim, v_head_dim
+        self.returned: tuple[mx.array, mx.array] | None = None
+        self.problems: set[str] = set()
+        self.owner: nn.Module | None = None  # the module that updates the cache
+        self.readers: list[nn.Module] = []  # other modules that touch it
+        self.unhookable: list[nn.Module] = []  # touch it without being handed it
+        self.mask_windows: set[int] = set()  # window sizes the model asked masks for
+        self._updating = False
+
+    def touch(self, found: tuple[nn.Module | None, bool], reads_only: bool = False) -> None:
+        module, received = found
+        if module is None:
+            return
+        if not received and not reads_only:
+            self.unhookable.append(module)
+        if module is not self.owner and all(m is not module for m in self.readers):
+            self.readers.append(module)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.updates += 1
         self.shape = (keys.shape[1], keys.shape[3], values.shape[3])
-        super().update_and_fetch(keys, values)
-        self.returned = (keys, values)  # as compressed caches do: only the new chunk
-        return keys, values
+        found = _caller(self)
+        if self.owner is None:
+            self.owner = found[0]
+        elif found[0] is not self.owner:
+            self.problems.add("shared")
+        self.touch(found)
+        self._updating = True
+        # Everything held, as mlx_lm's cache returns it: a layer that attends by itself
+        # then runs (shapes fit) and is recognized by the keys it hands attention.
+        self.returned = super().update_and_fetch(keys, values)
+        self._updating = False
+        return self.returned
 
-    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
-        self.attended += 1
-        k, v = self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
-        mask = None if queries.shape[2] == 1 else mask
-        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("window_size") is not None:
+            self.mask_windows.add(int(kwargs["window_size"]))
+        return super().make_mask(*args, **kwargs)
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        if not self._updating:  # KVCache's own update reads it too
+            self.problems.add("read")
+            # Compressed caches answer this themselves (a dense reconstruction).
+            self.touch(_caller(self), reads_only=True)
+        return super().keys_and_values()
+
+
+def _same(a: Any, b: mx.array) -> bool:
+    """Whether attention got ``b`` itself (or a same-valued copy, e.g. a dtype cast)."""
+    if a is b:
+        return True
+    if not isinstance(a, mx.array) or a.shape != b.shape:
+        return False
+    return bool(mx.array_equal(a.astype(b.dtype), b).item())
+
+
+_PROBES: list[_ProbeCache] = []
 
 
 def _probing_sdpa(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
                   mask: Any, sinks: mx.array | None = None) -> mx.array:
-    # A model that reshapes, tiles or joins the returned keys before attention expects
-    # attention over *those* keys; ``attend`` would silently ignore the change.
-    if isinstance(cache, _ProbeCache) and cache.returned is not None and (
-            keys is not cache.returned[0] or values is not cache.returned[1]):
-        cache.foreign_keys = True
-    return routed_scaled_dot_product_attention(queries, keys, values, cache, scale, mask,
-                                               sinks)
+    if isinstance(cache, _ProbeCache):
+        cache.attended += 1
+        cache.touch(_caller(cache))
+        if cache.returned is None or not _same(keys, cache.returned[0]) or \
+                not _same(values, cache.returned[1]):
+            cache.problems.add("keys")
+        if sinks is not None:
+            cache.problems.add("sinks")
+        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+            cache.problems.add("float_mask")
+    for p in _PROBES:
+        # Another layer (or a call with cache=None) attending over this slot's keys.
+        if p is not cache and p.returned is not None and \
+                (keys is p.returned[0] or values is p.returned[1]):
+            p.problems.add("shared")
+    return _ORIGINAL_SDPA(queries, keys, values, cache=None, scale=scale, mask=mask,
+                          sinks=sinks)
+
+
+@dataclass
+class SlotProbe:
+    """What the probe learned about one cache slot of ``model.make_cache()``."""
+
+    slot: int
+    cache: Any  # the model's own cache of this slot
+    updates: int = 0
+    attended: int = 0
+    shape: tuple[int, int, int] | None = None
+    problems: frozenset[str] = frozenset()
+    owner: nn.Module | None = field(default=None, repr=False)
+    readers: list[nn.Module] = field(default_factory=list, repr=False)
+    # Modules that update or attend over this slot's cache without being handed it as
+    # an argument (they pick it from the model's cache list): no hook can reach them.
+    unhookable: list[nn.Module] = field(default_factory=list, repr=False)
+    # Windows the model's sliding masks use (read off make_mask calls on any slot).
+    mask_windows: frozenset[int] = frozenset()
+
+    @property
+    def window(self) -> int | None:
+        """The attention window of a sliding-window slot (``RotatingKVCache``)."""
+        return self.cache.max_size if type(self.cache) is RotatingKVCache else None
+
+    @property
+    def window_agrees(self) -> bool:
+        """Whether the model's sliding masks use the window this slot's ring keeps
+        (plamo3's mask lets a query see one token more than its RotatingKVCache holds,
+        so mlx_lm's cached output depends on its ring's quirks)."""
+        return self.window is None or self.mask_windows <= {self.window}
+
+    @property
+    def used(self) -> bool:
+        return self.updates > 0 and self.shape is not None
+
+    @property
+    def routable(self) -> bool:
+        """Attention reaches ``attend`` with this slot's cache, over what it returned."""
+        return self.used and not self.problems
+
+    def describe(self) -> str:
+        return "; ".join(PROBLEMS[p] for p in sorted(self.problems))
+
+    def modules(self) -> list[nn.Module]:
+        """Every module that touches this slot's cache (its owner first)."""
+        return ([self.owner] if self.owner is not None else []) + list(self.readers)
+
+
+def _probe_slots(caches: list[Any]) -> dict[int, _ProbeCache]:
+    # Plain and sliding-window KV slots; recurrent, chunked, list and model-specific
+    # caches keep the model's own cache and are not probed.
+    return {i: _ProbeCache(i) for i, c in enumerate(caches)
+            if type(c) in (KVCache, RotatingKVCache)}
 
 
 @contextmanager
-def _probing(model: nn.Module) -> Iterator[None]:
+def _probing(model: nn.Module, probes: list[_ProbeCache]) -> Iterator[None]:
     """Routing with ``_probing_sdpa`` in place of the routed function."""
     install_attention_routing(model)
     names = [n for n in _PATCHED if sys.modules.get(n) is not None]
     for n in names:
         sys.modules[n].scaled_dot_product_attention = _probing_sdpa
+    _PROBES[:] = probes
     try:
         yield
     finally:
+        _PROBES.clear()
         for n in names:
             sys.modules[n].scaled_dot_product_attention = routed_scaled_dot_product_attention
 
 
-def _probe_problem(probe: _ProbeCache) -> str | None:
-    if probe.updates == 0:
-        return "never uses its own cache"
-    if probe.attended < probe.updates:
-        return "does not call mlx_lm's scaled_dot_product_attention"
-    if probe.foreign_keys:
-        return "transforms the cached keys/values before attention"
-    return None
-
-
-def probe_layers(model: nn.Module, layer_ids: list[int]) -> dict[int, _ProbeCache]:
-    """Run a prompt chunk and a decode step through ``model`` with probe caches on
-    ``layer_ids``: what each layer really hands its cache, and how it attends."""
+def probe_model(model: nn.Module) -> list[SlotProbe | None]:
+    """Run a prompt chunk and a decode step with a probe in every KV slot of
+    ``model.make_cache()``: one ``SlotProbe`` per slot (``None`` for other caches)."""
     caches = make_prompt_cache(model)
-    probes = {i: _ProbeCache() for i in layer_ids}
-    for i, probe in probes.items():
-        caches[i] = probe
-    with _probing(model):
+    own = list(caches)
+    probes = _probe_slots(caches)
+    for i, p in probes.items():
+        caches[i] = p
+    with _probing(model, list(probes.values())):
         try:
             model(mx.array([[0, 1]]), cache=caches)  # lazy: builds the graph only
             model(mx.array([[1]]), cache=caches)
         except Exception as exc:
             raise UnsupportedModelError(
-                f"could not check how {_model_name(model)} uses its KV caches (a two-token "
-                f"probe failed: {type(exc).__name__}: {exc})") from exc
-    return probes
+                f"found no plain full-attention layers in {model_name(model)}: a two-token "
+                f"probe through its KV caches failed ({type(exc).__name__}: {exc})") from exc
+    out: list[SlotProbe | None] = [None] * len(caches)
+    windows = frozenset(w for p in probes.values() for w in p.mask_windows)
+    for i, p in probes.items():
+        problems = set(p.problems)
+        if p.updates and p.attended < p.updates:
+            problems.add("bypass")
+        out[i] = SlotProbe(i, own[i], p.updates, p.attended, p.shape, frozenset(problems),
+                           p.owner, p.readers, p.unhookable, windows)
+    return out
+
+
+# ---------------------------------------------------------------- reconstruction
+class _DenseView:
+    """A compressed cache as a layer that attends by itself sees it.
+
+    ``update_and_fetch`` stores the chunk in the compressed form and returns a
+    transient dense reconstruction of everything held; ``keys_and_values`` returns the
+    same without storing; ``attends`` is False, so attention runs over those arrays.
+    Everything else is the cache's own.
+    """
+
+    attends = False
+
+    def __init__(self, cache: Any) -> None:
+        object.__setattr__(self, "_cache", cache)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._cache, name, value)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        out = self._cache.update_and_fetch(keys, values)
+        if not getattr(self._cache, "attends", False):
+            return out  # such caches return their dense keys and values already
+        return self._cache.dense_kv(keys.dtype)
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        return self._cache.dense_kv()
+
+
+def _is_compressed(obj: Any) -> bool:
+    """A veloxquant cache, or a batch of them (``BatchedCache``)."""
+    rows = getattr(obj, "caches", None)
+    if isinstance(rows, list) and hasattr(obj, "take_rows"):
+        return bool(rows) and _is_compressed(rows[0])
+    return hasattr(obj, "held_arrays") and hasattr(obj, "dense_kv") and \
+        not isinstance(obj, _DenseView)
+
+
+def _reconstructing_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    base = type(self)._vq_recon_base
+    call = bind_call(base.__call__, self, args, kwargs, _is_compressed)
+    cache = call.cache
+    if cache is None:
+        lists = [v for v in call.arguments.values() if isinstance(v, (list, tuple))]
+        if any(hasattr(c, "take_rows") for v in lists for c in v):
+            raise NotImplementedError(
+                f"{base.__module__}.{base.__name__} reads layers' caches itself (K/V shared "
+                "between layers): a batch of compressed caches cannot serve it; generate "
+                "one sequence at a time on this model")
+        return call.run()
+    if hasattr(cache, "take_rows"):  # a batch of per-sequence caches
+        return call_per_row(call, cache, lambda c, i, n: _DenseView(c),
+                            f"{base.__module__}.{base.__name__}")
+    return call.run(**{n: _DenseView(call.arguments[n]) for n in call.cache_names})
+
+
+_RECON_CLASSES: dict[type, type] = {}
+
+
+def install_reconstruction(modules: list[nn.Module]) -> None:
+    """Hand ``modules`` dense views of the compressed caches they are called with.
+
+    Swaps each instance's class for a subclass (reversible, weights untouched).
+    Idempotent.
+    """
+    for mod in modules:
+        cls = type(mod)
+        if "_vq_recon_base" in cls.__dict__:
+            continue
+        if cls not in _RECON_CLASSES:
+            _RECON_CLASSES[cls] = type(f"Reconstructing{cls.__name__}", (cls,),
+                                       {"__call__": _reconstructing_call,
+                                        "_vq_recon_base": cls})
+        mod.__class__ = _RECON_CLASSES[cls]
+
+
+def reconstruction_installed(model: nn.Module) -> bool:
+    """Whether some module of ``model`` has the reconstruction hook."""
+    return any("_vq_recon_base" in type(m).__dict__ for m in model.modules())
+
+
+def uninstall_reconstruction(model: nn.Module) -> None:
+    """Restore the original class of every module with the reconstruction hook."""
+    for mod in model.modules():
+        if "_vq_recon_base" in type(mod).__dict__:
+            mod.__class__ = type(mod)._vq_recon_base
+
+
+# ---------------------------------------------------------------- the routing check
+_WARNED: set[tuple[str, str]] = set()
+
+
+def method_caps(cls: type) -> tuple[bool, bool, bool]:
+    """Whether a cache class attends itself, can rebuild dense K/V, and takes over the
+    owning module's call with a hook of its own (XQuant's ``update_x``)."""
+    from ..cache.base import CompressedCache
+
+    return (bool(cls.attends), cls.dense_kv is not CompressedCache.dense_kv,
+            hasattr(cls, "update_x"))
+
+
+def _method_caps(method: str) -> tuple[bool, bool, bool]:
+    from ..registry import get_method
+
+    return method_caps(get_method(method))
+
+
+def _where(probes: list[SlotProbe]) -> str:
+    mods = {f"{type(m).__module__}.{getattr(type(m), '_vq_recon_base', type(m)).__name__}"
+            for p in probes for m in p.modules()[:1]}
+    return ", ".join(sorted(mods)) or "?"
+
+
+def _refusal(model: nn.Module, method: str, bad: list[SlotProbe], why: str
+             ) -> UnsupportedModelError:
+    problems = "; ".join(sorted({p.describe() for p in bad}))
+    return UnsupportedModelError(
+        f"method {method!r} cannot run on {model_name(model)}: the attention of layer(s) "
+        f"{[p.slot for p in bad]} ({_where(bad)}) {problems}; {why} (silently wrong "
+        "output otherwise).")
+
+
+def _check_own_hook(model: nn.Module, method: str, probes: list[SlotProbe],
+                    reconstructs: bool) -> None:
+    """A method that takes over the owning module's call (XQuant's X hook) serves the
+    model's attention there, whatever it is. Other code that reads the cache gets a
+    rebuilt copy where the method can make one (a batch of them is refused)."""
+    stuck = [p for p in probes if p.unhookable]
+    if stuck:
+        raise _refusal(model, method, stuck, "the code that runs it takes the cache from "
+                       "the model's cache list rather than as an argument, so no hook can "
+                       "reach it")
+    read = [p for p in probes if "read" in p.problems]
+    if read and not reconstructs:
+        raise _refusal(model, method, read, f"{method!r} holds the layer input, not K/V, "
+                       "and cannot rebuild the keys and values for other layers to read")
+    readers = [m for p in read for m in p.readers if m is not model]
+    install_reconstruction(readers)  # they read through a view; batches refused clearly
 
 
 def check_attention_routing(model: nn.Module, layer_ids: list[int], method: str,
-                            probes: dict[int, _ProbeCache] | None = None) -> None:
-    """Raise ``UnsupportedModelError`` unless every layer in ``layer_ids`` attends over
-    exactly what its cache returned, through the routed function."""
+                            probes: list[SlotProbe | None] | None = None,
+                            caps: tuple[bool, bool, bool] | None = None) -> list[int]:
+    """Make every slot in ``layer_ids`` attend correctly, or raise.
+
+    Routable slots need nothing. Others get the reconstruction hook when the method
+    can rebuild its keys and values (returns those slots, after a one-time warning; a
+    cache that does not attend itself returns dense keys already, and the hook serves
+    batches one row at a time); otherwise ``UnsupportedModelError`` names the layers
+    and what their attention does. A method with its own hook (XQuant) is checked for
+    what that hook cannot serve. ``caps``: ``method_caps`` of the method's class, read
+    from the registry when None.
+    """
     if probes is None:
-        probes = probe_layers(model, layer_ids)
-    bad = {i: _probe_problem(probes[i]) for i in layer_ids if _probe_problem(probes[i])}
-    if bad:
-        i, problem = next(iter(bad.items()))
-        attn = attention_module(model_layers(model)[i])
-        where = f"{type(attn).__module__}.{type(attn).__name__}" if attn is not None else "?"
+        probes = probe_model(model)
+    unused = [i for i in layer_ids if probes[i] is None or not probes[i].used]
+    if unused:
         raise UnsupportedModelError(
-            f"method {method!r} cannot run on {_model_name(model)}: the attention of "
-            f"layer(s) {sorted(bad)} ({where}) {problem}, so a compressed cache would be "
-            "bypassed (silently wrong output). Supported: attention that calls mlx_lm's "
-            "scaled_dot_product_attention over the cache's keys and values; the dense "
-            "method 'none' runs on every model.")
-
-
-def _model_name(model: nn.Module) -> str:
-    model_type = getattr(getattr(model, "args", None), "model_type", None)
-    return f"model type {model_type!r}" if model_type else \
-        f"model {type(model).__module__}.{type(model).__name__}"
+            f"{model_name(model)}: cache slot(s) {unused} are not used as KV caches by "
+            f"the model's attention, so method {method!r} cannot compress them")
+    bad = [probes[i] for i in layer_ids if not probes[i].routable]
+    attends, reconstructs, own_hook = _method_caps(method) if caps is None else caps
+    if own_hook:  # the method serves the owning modules' calls itself (XQuant)
+        _check_own_hook(model, method, [probes[i] for i in layer_ids], reconstructs)
+        return []
+    if not bad:
+        return []
+    stuck = [p for p in bad if p.unhookable]
+    if stuck:
+        raise _refusal(model, method, stuck, "the code that runs it takes the cache from "
+                       "the model's cache list rather than as an argument, so no dense "
+                       "reconstruction can be handed to it")
+    if not reconstructs:
+        raise _refusal(model, method, bad, f"{method!r} attends over its own compressed "
+                       "form only and has no dense reconstruction to hand such a layer. "
+                       "Methods that rebuild their keys and values (affine, kivi, ...) "
+                       "run on this model")
+    # The model itself may read a cache (e.g. afm7): it gets the caches' own
+    # ``keys_and_values``, a dense reconstruction already.
+    install_reconstruction([m for p in bad for m in p.modules() if m is not model])
+    key = (model_name(model), method)
+    if attends and key not in _WARNED:  # caches that do not attend return dense K/V
+        _WARNED.add(key)
+        warnings.warn(
+            f"{model_name(model)}: the attention of layer(s) {[p.slot for p in bad]} "
+            f"{'; '.join(sorted({p.describe() for p in bad}))}; method {method!r} hands "
+            "those layers a transient dense reconstruction of its compressed cache at "
+            "every step (the stored form stays compressed). See docs/models.md.",
+            stacklevel=3)
+    return [p.slot for p in bad]

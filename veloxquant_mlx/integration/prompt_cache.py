@@ -26,6 +26,7 @@ from ..builder import KVCacheBuilder
 from ..cache.base import CompressedCache, LayerInfo, NotTrimmableError
 from ..config import KVCacheConfig
 from ..registry import get_method
+from .distributed import rank_path, saved_world_hint, shard_header, shard_mismatch
 from .mlx_lm import check_attention_routing, install_attention_routing
 
 __all__ = ["NotTrimmableError", "PromptCacheError", "can_trim_prompt_cache",
@@ -120,7 +121,10 @@ def save_prompt_cache(path: str | Path, caches: list[Any],
         "model": _fingerprint(infos),
         "layers": layers,
         "metadata": dict(metadata or {}),
+        # Under mlx.launch each rank saves its own shard to its own file.
+        "shard": shard_header(),
     }
+    path = rank_path(path)
     if not arrays:  # safetensors needs at least one tensor
         arrays["_empty"] = mx.zeros((0,), mx.uint8)
     mx.eval(list(arrays.values()))
@@ -175,8 +179,8 @@ def load_prompt_cache(path: str | Path, model: Any = None,
     With ``model`` the file is checked against the model's shape and the caches get
     the live attention modules; attention routing is installed either way.
     """
-    arrays, header = _read(path)
-    where = str(path)
+    arrays, header = _read_for_rank(path)
+    where = str(rank_path(path))
     try:
         config = KVCacheConfig.from_dict(header["config"])
         entries = header["layers"]
@@ -239,9 +243,23 @@ def _rebuild_foreign(entry: dict[str, Any], state: Any) -> Any:
     return cache
 
 
+def _read_for_rank(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """This rank's file (``rank_path``), checked against the job's world size and rank."""
+    own = rank_path(path)
+    if not own.is_file():
+        hint = saved_world_hint(path)
+        if hint is not None:
+            raise PromptCacheError(hint)
+    arrays, header = _read(own)
+    problem = shard_mismatch(header.get("shard"))
+    if problem is not None:
+        raise PromptCacheError(f"{str(own)!r}: {problem}")
+    return arrays, header
+
+
 def read_prompt_cache_header(path: str | Path) -> dict[str, Any]:
-    """The JSON header of a saved prompt cache (method, config, model, layers)."""
-    return _read(path)[1]
+    """The JSON header of a saved prompt cache (method, config, model, layers, shard)."""
+    return _read(rank_path(path))[1]
 
 
 def can_trim_prompt_cache(caches: list[Any]) -> bool:

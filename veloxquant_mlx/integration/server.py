@@ -1,15 +1,19 @@
 """``veloxquant serve``: mlx_lm's OpenAI-compatible server with compressed caches.
 
 The HTTP handling, tokenization, batching and streaming are mlx_lm.server's own.
-Two pieces are swapped in:
+Swapped in or added:
 
 - ``FreshCachePool`` replaces mlx_lm's cross-request ``LRUPromptCache``: every
   request asks it for a cache and gets a brand-new one from
   ``KVCacheBuilder.for_model`` (fresh coordinators included), and finished caches
   are dropped instead of kept, so requests never share state and memory goes back
-  after each request.
+  after each request. Each request's caches carry its KV reservation (``Ticket``).
 - ``VeloxModelProvider`` loads models with ``veloxquant_mlx.models.load`` (the
   embedded model when ``--model`` is not given).
+- Limits (``server_limits``): ``--max-context``, a measured ``--max-kv-memory`` budget
+  shared by all requests, a bounded queue; admission and disconnects (``server_http``);
+  fair chunked prefill and cancellation inside mlx_lm's batch generator
+  (``server_batch``).
 
 Concurrent requests are batched by mlx_lm's ``BatchGenerator`` through
 ``BatchedCache`` (one compressed cache per sequence).
@@ -21,6 +25,7 @@ import argparse
 import gc
 import ipaddress
 import logging
+import os
 import socket
 import sys
 from typing import Any
@@ -32,24 +37,45 @@ from ..config import KVCacheConfig
 LOOPBACK_NAMES = ("localhost",)
 
 
+class RequestCaches(list):
+    """One request's layer caches, carrying its KV reservation through mlx_lm."""
+
+    ticket: Any = None
+
+
 class FreshCachePool:
     """Stands in for mlx_lm's ``LRUPromptCache``: never reuses a cache."""
 
-    def __init__(self, model_provider: Any, config: KVCacheConfig) -> None:
+    def __init__(self, model_provider: Any, config: KVCacheConfig, limits: Any = None) -> None:
         self.model_provider = model_provider
         self.config = config
+        self.limits = limits  # ServerLimits: read real memory once caches are dropped
         self.served = 0
+        # Set by the generation thread right before it asks for a request's caches.
+        self.pending_ticket: Any = None
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any], list[int]]:
         from ..builder import KVCacheBuilder
+        from ..cache.base import CompressedCache
 
         self.served += 1
-        return KVCacheBuilder.for_model(self.model_provider.model, self.config), tokens
+        caches = RequestCaches(KVCacheBuilder.for_model(self.model_provider.model, self.config))
+        ticket, self.pending_ticket = self.pending_ticket, None
+        if ticket is not None:
+            caches.ticket = ticket
+            # The reservation lasts until these objects are garbage (they move, never copy).
+            ticket.track([c for c in caches if isinstance(c, CompressedCache)])
+        return caches, tokens
 
-    def insert_cache(self, *args: Any, **kwargs: Any) -> None:
+    def insert_cache(self, model: Any = None, tokens: Any = None, cache: Any = None,
+                     *args: Any, **kwargs: Any) -> None:
         # A request finished: drop its cache and hand the freed buffers back.
+        if isinstance(cache, list):
+            cache.clear()
         gc.collect()
         mx.clear_cache()
+        if self.limits is not None:
+            self.limits.sample_real()
 
     def trim_to(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -132,16 +158,79 @@ def serve(args: argparse.Namespace, config: KVCacheConfig) -> None:
     """Run the server until interrupted (blocking)."""
     from mlx_lm import server as mlx_server
 
+    from .server_http import BackloggedHTTPServer, LimitedAPIHandler, LimitedResponseGenerator
+    from .server_limits import ServerLimits, format_bytes
+
     check_loopback(args.host)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s - %(levelname)s - %(message)s")
+    limits = ServerLimits(config, max_context=args.max_context,
+                          max_kv_memory=args.max_kv_memory, max_queue=args.max_queue,
+                          queue_timeout=args.queue_timeout, probe=args.kv_probe_tokens,
+                          chunk=args.prefill_step_size)
     provider = _provider_class()(build_server_args(args))
-    pool = FreshCachePool(provider, config)
-    generator = mlx_server.ResponseGenerator(provider, pool)
+    pool = FreshCachePool(provider, config, limits)
+    from .distributed import response_generator  # under mlx.launch: shards; rank 0 returns
+
+    generator = response_generator(LimitedResponseGenerator, provider, pool, limits,
+                                   args.prefill_share)
+    # The model loads and the KV cost is measured before the first request is accepted.
+    limits.ready.wait()
+    if generator.start_error is not None:
+        generator.join()
+        _exit_with(generator.start_error)
+    assert limits.cost is not None
     logging.info("veloxquant serve: method=%s on %s:%d", config.method, args.host, args.port)
-    print(f"[veloxquant] serving method={config.method} on http://{args.host}:{args.port}",
-          file=sys.stderr, flush=True)
-    mlx_server._run_http_server(args.host, args.port, generator)
+    print(f"[veloxquant] serving method={config.to_string()} on http://{args.host}:{args.port}"
+          f"\n[veloxquant] max context {limits.max_context} ({limits.context_source}); KV "
+          f"budget {format_bytes(limits.budget.budget)} ({limits.memory_source}), "
+          f"{limits.cost.tokens_within(limits.budget.budget)} tokens; "
+          f"{limits.cost.describe()}", file=sys.stderr, flush=True)
+    mlx_server._run_http_server(args.host, args.port, generator,
+                                server_class=BackloggedHTTPServer,
+                                handler_class=LimitedAPIHandler)
+
+
+def _exit_with(error: Exception) -> None:
+    """Report a start-up error and leave at once.
+
+    The CLI would print it and return; but MLX 0.32 can abort the interpreter's exit
+    ("terminate called without an active exception") once a thread that ran the model
+    has ended, so the process ends here, with the CLI's message and exit status.
+    """
+    from .mlx_lm import UnsupportedModelError
+    from .server_limits import ConfigError
+
+    user_error = isinstance(error, (ConfigError, UnsupportedModelError, FileNotFoundError))
+    if not user_error:
+        logging.error("veloxquant serve could not start", exc_info=error)
+    print(f"veloxquant serve: error: {error}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(2 if user_error else 1)
+
+
+def _checked(kind: type, name: str, minimum: float, maximum: float | None = None) -> Any:
+    """An argparse type: ``kind`` within [minimum, maximum], else an error naming the flag."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            allowed = f"{kind.__name__} >= {minimum}" + (
+                f" and <= {maximum}" if maximum is not None else "")
+            raise argparse.ArgumentTypeError(f"{name}={text!r} is not allowed: {allowed}")
+        return value
+    return parse
+
+
+def _size(text: str) -> int:
+    from .server_limits import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,14 +239,35 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model path / repo id / .gguf (default: embedded SmolLM2)")
     parser.add_argument("--host", default="127.0.0.1", help="loopback address to bind")
     parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--max-tokens", type=int, default=512,
+    parser.add_argument("--max-tokens", type=_checked(int, "--max-tokens", 1), default=512,
                         help="default max tokens per completion")
     parser.add_argument("--temp", type=float, default=0.0, help="default temperature")
-    parser.add_argument("--decode-concurrency", type=int, default=32)
-    parser.add_argument("--prompt-concurrency", type=int, default=8)
-    parser.add_argument("--prefill-step-size", type=int, default=512)
+    parser.add_argument("--decode-concurrency", type=_checked(int, "--decode-concurrency", 1),
+                        default=32)
+    parser.add_argument("--prompt-concurrency", type=_checked(int, "--prompt-concurrency", 1),
+                        default=8)
+    parser.add_argument("--prefill-step-size", type=_checked(int, "--prefill-step-size", 32),
+                        default=512, help="prompt tokens per batch step (split between the "
+                        "prompts being prefilled)")
     parser.add_argument("--log-level", default="WARNING",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    parser.add_argument("--max-context", type=_checked(int, "--max-context", 1), default=None,
+                        help="most tokens (prompt + max_tokens) per request "
+                        "(default: the model's maximum)")
+    parser.add_argument("--max-kv-memory", type=_size, default=None,
+                        help="KV cache bytes shared by all requests, e.g. 2GB or 512MiB "
+                        "(default: half of the memory available at start)")
+    parser.add_argument("--max-queue", type=_checked(int, "--max-queue", 0), default=16,
+                        help="requests that may wait for KV memory; more get 429")
+    parser.add_argument("--queue-timeout", type=_checked(float, "--queue-timeout", 0.1),
+                        default=120.0, help="seconds a request may wait for KV memory; "
+                        "then 503")
+    parser.add_argument("--prefill-share", type=_checked(float, "--prefill-share", 0.05, 1.0),
+                        default=0.5, help="most of the time prompt processing may take "
+                        "while other requests decode (1: no limit)")
+    parser.add_argument("--kv-probe-tokens", type=_checked(int, "--kv-probe-tokens", 16),
+                        default=256, help="tokens of the start-up KV measurement (prefills "
+                        "of N and 2N tokens)")
 
 
 def free_port() -> int:

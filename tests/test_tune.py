@@ -1,0 +1,77 @@
+"""``veloxquant tune``: candidates within the budget, a measured choice, resumable runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tiny_models import tiny_model
+
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.eval import tune
+
+TEXT = " ".join(f"sentence {i} tells the story of the number {i * 7 % 13}." for i in range(300))
+
+
+class CharTokenizer:
+    chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 127 + 1 for c in text]
+
+
+def _params(budget: float, **kw) -> tune.TuneParams:
+    return tune.TuneParams(budget=budget, context=192, predict=16, windows=2, per_method=2,
+                           only=("turboquant",), **kw)
+
+
+def test_choice_fits_the_budget_and_beats_what_it_passed_over(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    model = tiny_model("llama", head_dim=64, num_attention_heads=2)
+    out = tmp_path / "best.json"
+    result = tune.run_tune(model, CharTokenizer(), _params(0.45), out, text=TEXT,
+                           progress=False)
+    cands = {c["spec"]: c for c in result["candidates"]}
+    chosen = cands[result["chosen"]]
+    assert chosen["real_over_fp16"] <= 0.45
+    scored = [c for c in cands.values() if c.get("kl") is not None]
+    assert len(scored) >= 2 and all(c["real_over_fp16"] <= 0.45 for c in scored)
+    # No scored candidate is clearly better: the choice is the best or a tie with it.
+    assert all(chosen["kl"] <= c["kl_ci"][1] for c in scored)
+    # The file loads as a config, with --config semantics.
+    assert KVCacheConfig.from_file(out).to_string() == result["chosen"]
+
+    # A second run resumes from the journal: nothing is measured again.
+    def boom(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(tune, "measure_retained", boom)
+    monkeypatch.setattr(tune, "evaluate_quality", boom)
+    again = tune.run_tune(model, CharTokenizer(), _params(0.45), out, text=TEXT,
+                          progress=False)
+    assert again["chosen"] == result["chosen"]
+
+
+def test_an_impossible_budget_names_the_cheapest_candidate(tmp_path: Path) -> None:
+    model = tiny_model("llama", head_dim=64, num_attention_heads=2)
+    with pytest.raises(ValueError, match="no candidate fits budget=0.01; the cheapest"):
+        tune.run_tune(model, CharTokenizer(), _params(0.01), tmp_path / "x.json",
+                      text=TEXT, progress=False)
+
+
+def test_budget_from_bytes_and_bad_input() -> None:
+    model = tiny_model("llama")  # 4 layers x 2 KV heads x (32 + 32) x 2 bytes per token
+    assert tune.budget_for_memory(model, 4 * 2 * 64 * 2 * 100, 400) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="budget=0"):
+        tune.TuneParams(budget=0)
+    with pytest.raises(ValueError, match="unknown method"):
+        tune.candidate_configs(1024, ("nosuch",))
+
+
+def test_the_journal_is_ignored_for_another_run(tmp_path: Path) -> None:
+    path = tmp_path / "j.partial.json"
+    tune.Journal(path, "aaa").put("bytes:x", 0.5)
+    assert tune.Journal(path, "aaa").get("bytes:x") == 0.5
+    assert tune.Journal(path, "bbb").get("bytes:x") is None
+    assert json.loads(path.read_text())["fingerprint"] == "aaa"

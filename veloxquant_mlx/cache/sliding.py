@@ -1,0 +1,264 @@
+"""Sliding-window layers (mlx_lm's ``RotatingKVCache``) with a compressed cache.
+
+Models with local attention layers (Gemma 2/3, Mistral's sliding window, gpt-oss,
+Cohere 2, OLMo 3, ...) give those layers mlx_lm's ``RotatingKVCache``: the last ``W``
+keys and values, each query attending to the ``W`` most recent positions up to and
+including itself. A method compresses such a layer in one of two ways:
+
+- natively: the method bounds what it keeps by ``LayerInfo.sliding_window`` itself
+  (its ``supports_layer`` accepts the layer; ``streaming`` keeps a ring of
+  ``min(window, W)`` recent tokens and no sinks);
+- ``SlidingCache``: a ring over a method's compressed form, for methods whose stored
+  form does not depend on token positions and can drop its oldest tokens exactly
+  (``RING_METHODS``). One inner cache of the method holds the tokens; once ``block``
+  tokens older than the window have piled up, it is rebuilt from its own saved state
+  without them (codes sliced, never re-quantized: a dequantize / quantize round trip
+  would move codes by a step; KIVI's key groups are dropped whole, so the rest stay
+  aligned). Attention runs through
+  the inner cache's own ``attend``, with the model's own sliding mask mapped onto the
+  held tokens (or, without one, a band: every query sees the ``W`` most recent
+  positions up to itself), so it sees exactly what mlx_lm's ring would give it.
+
+Methods that do neither leave sliding-window layers on mlx_lm's own cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import RotatingKVCache
+
+from ..config import KVCacheConfig
+from .base import LAYER_RESTORERS, CompressedCache, LayerInfo
+
+
+def _front(a: mx.array | None, n: int, axis: int) -> mx.array | None:
+    """``a`` without its first ``n`` entries along ``axis``; ``None`` when nothing is
+    left. A copy: a kept slice would pin the dropped part."""
+    if a is None or n == 0:
+        return a
+    if n >= a.shape[axis]:
+        return None
+    index = [slice(None)] * a.ndim
+    index[axis] = slice(n, None)
+    return mx.contiguous(a[tuple(index)])
+
+
+def _drop_affine(state: list[Any], n: int, opts: Any) -> list[Any]:
+    """Affine's saved state without its ``n`` oldest tokens: per-token codes first,
+    then the full-precision window (every array holds tokens on axis 2)."""
+    win_k, win_v, *codes = state
+    n_q = 0 if codes[0] is None else codes[0].shape[2]
+    m = min(n, n_q)
+    return [_front(win_k, n - m, 2), _front(win_v, n - m, 2),
+            *(_front(a, m, 2) for a in codes)]
+
+
+def _drop_kivi(state: list[Any], n: int, opts: Any) -> list[Any]:
+    """KIVI's saved state without its ``n`` oldest tokens. Keys are quantized per
+    channel in whole groups along the token axis (packed, last axis), values per token;
+    the residuals hold the newest tokens. ``n`` is a multiple of the residual length,
+    so whole key groups go and the rest stay aligned."""
+    res_k, res_v, kc, ks, kb, vc, vs, vb = state
+    n_kq = 0 if ks is None else ks.shape[-1] * opts.group_size
+    mk = min(n, n_kq)
+    words, groups = mk * opts.bits // 32, mk // opts.group_size
+    keys = [_front(kc, words, 3), _front(ks, groups, 3), _front(kb, groups, 3)]
+    n_vq = 0 if vc is None else vc.shape[2]
+    mv = min(n, n_vq)
+    return [_front(res_k, n - mk, 2), _front(res_v, n - mv, 2), *keys,
+            *(_front(a, mv, 2) for a in (vc, vs, vb))]
+
+
+# Methods whose stored form is position-free and can drop its oldest tokens exactly
+# (by slicing their saved state): the token alignment a drop keeps (KIVI quantizes
+# keys in blocks of its residual length, counted from the cache's first token) and
+# the slicer.
+RING_METHODS: dict[str, tuple[Any, Any]] = {
+    "affine": (lambda opts: 1, _drop_affine),
+    "kivi": (lambda opts: opts.window, _drop_kivi),
+}
+
+
+def sliding_window_of(layer_cache: Any) -> int | None:
+    """The window of a sliding-window layer's own cache (``None`` for other caches).
+
+    Only mlx_lm's plain ring (``keep == 0``); a ring that keeps its first tokens
+    (``max_kv_size`` caches) is not a model's local attention.
+    """
+    if type(layer_cache) is RotatingKVCache and layer_cache.keep == 0:
+        return int(layer_cache.max_size)
+    return None
+
+
+def sliding_mode(method_cls: type, layer_cache: Any) -> str | None:
+    """How ``method_cls`` compresses this sliding-window layer: ``"native"``,
+    ``"ring"`` or ``None`` (the layer keeps mlx_lm's own cache)."""
+    if sliding_window_of(layer_cache) is None:
+        return None
+    if method_cls.supports_layer(layer_cache):
+        return "native"
+    return "ring" if SlidingCache.wraps(method_cls) else None
+
+
+def band_mask(start: int, n_held: int, first_query: int, n_queries: int,
+              window: int) -> mx.array | None:
+    """``[L, S]`` boolean: query at t sees held positions p with t - window < p <= t."""
+    t = mx.arange(first_query, first_query + n_queries)[:, None]
+    p = mx.arange(start, start + n_held)[None]
+    if n_queries == 1 and start > first_query - window:
+        return None  # every held token is visible
+    return (p <= t) & (p > t - window)
+
+
+class SlidingCache(CompressedCache):
+    """A sliding-window layer's ring over one inner cache of a method."""
+
+    attends = True
+
+    def __init__(self, method_cls: type, config: KVCacheConfig,
+                 layer: LayerInfo | None = None) -> None:
+        super().__init__(config, layer)
+        if not self.layer.sliding_window:
+            raise ValueError("SlidingCache needs LayerInfo.sliding_window")
+        self.method_cls = method_cls
+        self.method = method_cls.method
+        self.window = int(self.layer.sliding_window)
+        align, self._drop = RING_METHODS[method_cls.method]
+        self.align = max(1, int(align(config.options)))
+        # Rebuild once this many tokens are older than the window (a multiple of align).
+        self.block = -(-max(self.window // 4, self.align) // self.align) * self.align
+        self.inner = method_cls(config, self.layer)
+        self.start = 0  # position of the inner cache's first token
+        self.last_chunk = 0
+
+    @classmethod
+    def wraps(cls, method_cls: type) -> bool:
+        return method_cls.method in RING_METHODS and method_cls.attends and \
+            not method_cls.cross_layer
+
+    # ---- the ring ----
+    def _drop_old(self) -> None:
+        """Rebuild the inner cache without the tokens no future query will see: its
+        saved state, sliced (the codes are kept as they are, never re-quantized)."""
+        droppable = self.offset - self.window + 1 - self.start
+        if droppable < self.block:
+            return
+        n = droppable // self.align * self.align
+        meta = list(self.inner.meta_state)
+        meta[0] = str(self.inner.offset - n)  # every ring method's meta starts offset
+        state = self._drop(list(self.inner.state), n, self.config.options)
+        fresh = self.method_cls(self.config, self.layer)
+        fresh.meta_state = tuple(meta)
+        fresh.state = state
+        self.inner, self.start = fresh, self.start + n
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.batch_size = keys.shape[0]
+        if self.inner.offset:
+            self._drop_old()
+        self.inner.update_and_fetch(keys, values)
+        self.offset += keys.shape[2]
+        self.last_chunk = keys.shape[2]
+        return keys, values
+
+    def _held_mask(self, mask: Any, L: int) -> mx.array | None:
+        """The model's mask over the held tokens, or the band when it gave none.
+
+        mlx_lm's masks are right-aligned to the newest token; held tokens older than a
+        mask's first column are outside what the model lets the queries see.
+        """
+        n = self.inner.offset
+        if not isinstance(mask, mx.array) or mask.dtype != mx.bool_:
+            return band_mask(self.start, n, self.offset - L, L, self.window)
+        width = mask.shape[-1]
+        if width >= n:
+            return mask[..., width - n:]
+        pad = mx.zeros((*mask.shape[:-1], n - width), mx.bool_)
+        return mx.concatenate([pad, mask], axis=-1)
+
+    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        L = queries.shape[2]
+        return self.inner.attend(queries, scale=scale, mask=self._held_mask(mask, L))
+
+    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+        """What mlx_lm's ring returns after the last chunk: the ``W - 1`` tokens before
+        it (fewer at the start) and the chunk itself."""
+        keys, values = self.inner.dense_kv(dtype)
+        before = self.offset - self.last_chunk
+        n = min(before, self.window - 1) + self.last_chunk
+        return keys[:, :, -n:], values[:, :, -n:]
+
+    def make_mask(self, N: int, return_array: bool = False,
+                  window_size: int | None = None) -> Any:
+        # As mlx_lm's RotatingKVCache: a mask over what ``dense_kv`` will return.
+        if N == 1:
+            return None
+        window_size = window_size or self.window
+        offset = min(self.window - 1, self.offset)
+        if offset + N > window_size or return_array:
+            return create_causal_mask(N, offset, window_size=window_size)
+        return "causal"
+
+    # ---- storage ----
+    def held_arrays(self) -> list[mx.array]:
+        return self.inner.held_arrays()
+
+    def accounted_bytes(self) -> int:
+        return self.inner.accounted_bytes()
+
+    def fp16_bytes(self) -> int:
+        """A dense float16 ring of the window holds at most ``W`` tokens."""
+        n = min(self.offset, self.window)
+        width = self.layer.n_kv_heads * (self.layer.head_dim + self.layer.v_head_dim)
+        return max(self.batch_size, 1) * n * width * 2
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    @state.setter
+    def state(self, v: Any) -> None:
+        self.inner.state = v
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        own = (self.offset, self.batch_size, self.start, self.last_chunk)
+        return (*map(str, own), *self.inner.meta_state)
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str, ...]) -> None:
+        self.offset, self.batch_size, self.start, self.last_chunk = map(int, v[:4])
+        self.inner.meta_state = tuple(v[4:])
+
+    @classmethod
+    def restore(cls, method_cls: type, config: KVCacheConfig, layer: LayerInfo,
+                state: Any, meta_state: tuple[str, ...]) -> SlidingCache:
+        """Rebuild a saved ring (``CompressedCache.from_saved`` dispatches here)."""
+        cache = cls(method_cls, config, layer)
+        cache.meta_state = meta_state
+        cache.state = state
+        return cache
+
+    # ---- trimming: exact while no token has left the ring ----
+    def is_trimmable(self) -> bool:
+        return self.start == 0 and self.inner.is_trimmable()
+
+    def trim(self, n: int) -> int:
+        if not self.is_trimmable():
+            return super().trim(n)
+        n = self.inner.trim(n)
+        self.offset -= n
+        return n
+
+
+def _restore(method_cls: type, config: KVCacheConfig, layer: LayerInfo, state: Any,
+             meta_state: tuple[str, ...]) -> SlidingCache | None:
+    if layer.sliding_window and SlidingCache.wraps(method_cls):
+        return SlidingCache.restore(method_cls, config, layer, state, meta_state)
+    return None
+
+
+LAYER_RESTORERS.append(_restore)
