@@ -62,20 +62,27 @@ def no_buffer_cache() -> Iterator[None]:
     mx.set_cache_limit(previous)
 
 
+def whole_chunks(model: Any, caches: list[Any], tokens: list[int] | None = None) -> None:
+    """The prompt in chunks of ``CHUNK``, the last one several tokens long (as a batch
+    prefill or a chat continuation feeds it): what a kept slice of a chunk pins is then
+    still alive when the prefill ends."""
+    tokens = TOKENS[:PROMPT] if tokens is None else tokens
+    for s in range(0, len(tokens), CHUNK):
+        model(mx.array([tokens[s:s + CHUNK]]), cache=caches)
+        mx.eval([c.state for c in caches])
+
+
 def readings(model: Any, config: KVCacheConfig, steps: int = STEPS,
              feed: Callable[[Any, list[Any]], None] | None = None) -> list[dict[str, int]]:
     """Real, declared and fp16-equivalent bytes after the prefill and the decode steps
     of ``READ_AT`` (up to ``steps``).
 
-    ``feed`` runs the prompt (default: the harness's chunked ``prefill``).
+    ``feed`` runs the prompt (default: :func:`whole_chunks`).
     """
     KVCacheBuilder.detach(model)  # a hook from an earlier build is rebuilt, and counted
     base = active_bytes()
     caches = KVCacheBuilder.for_model(model, config)
-    if feed is None:
-        prefill(model, caches, mx.array(TOKENS[:PROMPT]), CHUNK)  # logits dropped
-    else:
-        feed(model, caches)
+    (feed or whole_chunks)(model, caches)
     out = []
     for i in range(steps + 1):
         if i:
@@ -186,8 +193,7 @@ def test_snapkv_evicts_when_the_last_prompt_token_comes_alone(model: Any,
     last one alone: SnapKV evicts then, at the end of the prompt, with the last
     ``window`` prompt queries as the observation window (the paper's timing)."""
     def feed(model: Any, caches: list[Any]) -> None:
-        prefill(model, caches, mx.array(TOKENS[:PROMPT - 1]), CHUNK)
-        mx.eval(model(mx.array([TOKENS[PROMPT - 1:PROMPT]]), cache=caches))
+        prefill(model, caches, mx.array(TOKENS[:PROMPT]), CHUNK)  # the last token alone
 
     config = small_config("snapkv")
     (fed_whole,) = readings(model, config, steps=0)

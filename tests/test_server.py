@@ -346,7 +346,7 @@ def test_cancelled_prompt_is_dropped_before_its_next_step() -> None:
 VOCAB = [f"w{i}" for i in range(120)]
 TEMPLATE_TOKENS = 5  # <|im_start|> user ... <|im_end|> <|im_start|> assistant
 SERVER_FLAGS = ["--method", "kivi", "--bits", "4", "--group-size", "32", "--max-kv-memory",
-                "1.5MB", "--max-queue", "1", "--queue-timeout", "2", "--prefill-step-size", "32"]
+                "1.2MB", "--max-queue", "1", "--queue-timeout", "2", "--prefill-step-size", "32"]
 
 
 @pytest.fixture(scope="module")
@@ -415,10 +415,10 @@ def test_context_and_memory_limits_refuse_clearly(kivi_server: int) -> None:
     status, _, reply = _ask(port, 3500, 300)
     assert status == 400 and reply["code"] == "kv_memory_exceeded", reply
     facts = reply["limit"]
-    assert facts["requested_tokens"] == 3805 and facts["max_kv_memory"] == 1_500_000
-    assert facts["required_bytes"] > 1_500_000
+    assert facts["requested_tokens"] == 3805 and facts["max_kv_memory"] == 1_200_000
+    assert facts["required_bytes"] > 1_200_000
     assert facts["bytes_per_token"] == cost["bytes_per_token"] > 0
-    assert "--max-kv-memory=1.5 MB" in reply["error"]
+    assert "--max-kv-memory=1.2 MB" in reply["error"]
     assert cost["method"] == "kivi:bits=4"
     assert f"kivi:bits=4 fits {cost['fits_x_dense']:.1f}x the tokens of dense" in reply["error"]
     for extra, field in (({"model": "other"}, "model="), ({"seed": 1, "temperature": 0.7},
@@ -463,9 +463,9 @@ def _wait_for(port: int, key: str, value: int, timeout: float = 20) -> dict:
 
 def test_queue_admits_after_release_and_refuses_with_retry_after(kivi_server: int) -> None:
     port = kivi_server
-    holder, status = _hold(port, 200, 1800)  # about 0.9 MB of the 1.5 MB
+    holder, status = _hold(port, 200, 1800)  # about 0.8 MB of the 1.2 MB
     assert status == 200
-    waiter, got = _in_thread(_ask, port, 1200, 8)  # needs 0.6 MB more: waits in the queue
+    waiter, got = _in_thread(_ask, port, 1200, 8)  # needs 0.5 MB more: waits in the queue
     _wait_for(port, "queued_requests", 1)
     status, headers, reply = _ask(port, 10, 4)  # the one queue place is taken
     assert status == 429 and reply["code"] == "kv_memory_busy"
@@ -483,7 +483,7 @@ def test_queue_admits_after_release_and_refuses_with_retry_after(kivi_server: in
     assert 1.8 < time.monotonic() - t0 < 10 and int(headers["Retry-After"]) >= 1
     holder.close()
     snap = _settle(port)
-    assert snap["peak_queued_requests"] == 1 and snap["peak_reserved_bytes"] <= 1_500_000
+    assert snap["peak_queued_requests"] == 1 and snap["peak_reserved_bytes"] <= 1_200_000
     assert snap["counters"]["refused_busy"] >= 1 and snap["counters"]["refused_timeout"] >= 1
 
 

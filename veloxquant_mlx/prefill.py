@@ -1,9 +1,12 @@
 """The one prefill loop: a prompt through a model's caches in chunks, as mlx_lm does.
 
-mlx_lm's ``generate_step`` runs the prompt in chunks of ``prefill_step_size`` tokens and
-evaluates every cache's ``state`` after each chunk, so that the lazy graph of a long
-prompt never has to be held at once. Every harness, demo and test that prefills goes
-through :func:`prefill`, so they all see the caches in the same condition.
+mlx_lm's ``generate_step`` runs all but the last prompt token in chunks of
+``prefill_step_size`` tokens, evaluating every cache's ``state`` after each chunk so that
+the lazy graph of a long prompt never has to be held at once, and then the last prompt
+token alone (the step that yields the first new token). Methods act on that: SnapKV
+evicts when the last prompt token comes alone. Every harness, demo and test that
+prefills goes through :func:`prefill`, so they all see the caches as a user's
+``mlx_lm.generate`` leaves them.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ def prefill(model: nn.Module, caches: list[Any], tokens: Sequence[int] | mx.arra
             chunk: int = 512) -> mx.array:
     """Run ``tokens`` through ``model`` into ``caches``; the last position's logits.
 
-    ``tokens`` is ``[T]`` (a list or an array) or ``[B, T]``. It is fed in chunks of
-    ``chunk`` tokens; after every chunk but the last, only the caches' state is
-    evaluated (the chunk's logits are never computed). Returns the logits of the last
+    ``tokens`` is ``[T]`` (a list or an array) or ``[B, T]``. All but the last token are
+    fed in chunks of ``chunk`` tokens, only the caches' state evaluated after each (the
+    chunks' logits are never computed), then the last token alone. Returns the logits of the last
     position, ``[B, vocab]``, evaluated together with the caches' state. They are a
     copy, not a view: a view would keep the whole last chunk's ``[B, chunk, vocab]``
     logits buffer alive.
@@ -41,11 +44,10 @@ def prefill(model: nn.Module, caches: list[Any], tokens: Sequence[int] | mx.arra
     length = batch.shape[1]
     if length < 1:
         raise ValueError("tokens is empty: prefill needs at least one token")
-    logits = None
-    for start in range(0, length, chunk):
-        logits = model(batch[:, start:start + chunk], cache=caches)
-        if start + chunk < length:
-            mx.eval([c.state for c in caches])
+    for start in range(0, length - 1, chunk):
+        model(batch[:, start:min(start + chunk, length - 1)], cache=caches)
+        mx.eval([c.state for c in caches])
+    logits = model(batch[:, length - 1:], cache=caches)
     last = mx.contiguous(logits[:, -1, :])
     mx.eval(last, [c.state for c in caches])
     return last

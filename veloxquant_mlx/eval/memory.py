@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -37,6 +38,17 @@ def active_bytes() -> int:
     gc.collect()
     mx.clear_cache()
     return mx.get_active_memory()
+
+
+@contextmanager
+def no_buffer_cache() -> Iterator[None]:
+    """MLX's buffer cache off: a new array then gets a buffer of its own size, not a
+    recycled one up to twice as large (allocator slack that is not the cache's)."""
+    limit = mx.set_cache_limit(0)
+    try:
+        yield
+    finally:
+        mx.set_cache_limit(limit)
 
 
 def build_caches(model: nn.Module, source: CacheSource) -> list[Any]:
@@ -94,6 +106,12 @@ def measure_retained(model: nn.Module, config: CacheSource, tokens: Sequence[int
     if decode_tokens is not None and len(decode_tokens) < decode_steps:
         raise ValueError(f"decode_tokens has {len(decode_tokens)} tokens: "
                          f"decode_steps={decode_steps} needs that many")
+    with no_buffer_cache():
+        return _measure(model, config, tokens, decode_steps, chunk, decode_tokens)
+
+
+def _measure(model: nn.Module, config: CacheSource, tokens: Sequence[int], decode_steps: int,
+             chunk: int, decode_tokens: Sequence[int] | None) -> dict[str, Any]:
     prompt = mx.array(list(tokens), dtype=mx.int32)
     forced = list(decode_tokens[:decode_steps]) if decode_tokens is not None else None
     KVCacheBuilder.detach(model)
