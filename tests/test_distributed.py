@@ -7,6 +7,7 @@ every collective then takes about 35 ms instead of about 1 ms.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -82,7 +83,8 @@ def launch(n: int, args: list[str], timeout: float, env: tuple[str, ...] = ()
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         finally:
             proc.stdin.close()
@@ -291,7 +293,8 @@ def test_serve_under_mlx_launch(folders: dict[str, Path], tmp_path: Path) -> Non
         with urllib.request.urlopen(req, timeout=60) as r:
             reply = json.loads(r.read())
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the launcher may be gone already
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         proc.stdin.close()
     log = (tmp_path / "err").read_text()
