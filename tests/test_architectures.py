@@ -194,9 +194,12 @@ def test_sliding_layers_compress_and_attend_over_their_window(method, opts, boun
             if isinstance(c, SlidingCache):
                 c.block = 10 ** 9
         same = _prefill(model, never, tokens)
-        # Equal up to float sums over more (masked) keys, which this model amplifies
-        # (~5e-3); a ring that kept the wrong tokens is off by ~0.2.
-        assert (mx.abs(same - got).max() / mx.abs(got).max()).item() < 0.01
+        # Equal up to float sums over more (masked) keys: at a few positions that moves a
+        # 4-bit code across a rounding boundary, which this model amplifies (up to ~0.07);
+        # a ring that kept the wrong tokens is off by ~0.2 at every position after it.
+        per_pos = mx.abs(same - got).max(axis=-1)[0] / mx.abs(got).max()
+        assert per_pos.max().item() < 0.1
+        assert (per_pos < 1e-3).mean().item() > 0.8
         assert all(c.start > 0 for c in caches if isinstance(c, SlidingCache))
     KVCacheBuilder.detach(model)
 

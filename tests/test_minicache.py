@@ -9,7 +9,7 @@ import pytest
 from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
-from veloxquant_mlx.cache.base import LayerInfo
+from veloxquant_mlx.cache.base import LayerInfo, NotTrimmableError
 from veloxquant_mlx.cache.minicache import MiniCacheCache
 from veloxquant_mlx.cache.minicache_coordinator import MiniCacheCoordinator, slerp_merge
 from veloxquant_mlx.config import ConfigError
@@ -390,3 +390,82 @@ def test_real_model_answers_paris(window):
         assert store.n_merged > 0
         stats = cache_stats(caches)
         assert stats["held_bytes"] < stats["fp16_bytes"]
+
+
+# ---------------------------------------------------------------- trimming
+def _continue(model, caches, toks: mx.array) -> mx.array:
+    return mx.concatenate([model(toks[:, i:i + 1], cache=caches)
+                           for i in range(toks.shape[1])], axis=1)
+
+
+def test_trim_within_the_window_continues_as_a_fresh_cache(model):
+    cfg = KVCacheConfig(method="minicache", window=16)
+    tokens = mx.random.randint(0, 128, (1, 44), key=mx.random.key(8))
+    caches = KVCacheBuilder.for_model(model, cfg)
+    run(model, caches, tokens[:, :40], 24)  # merged: 16 tokens; window: 24
+    store = caches[3].layer.coordinator.store(caches[3].layer.group_id)
+    assert store.n_merged == 16 and store.n_pending(0) == 24
+    assert all(c.is_trimmable() and c.trim(6) == 6 and c.offset == 34 for c in caches)
+    assert store.n_pending(0) == store.n_pending(1) == 18 and store.published_end == 34
+    fresh = KVCacheBuilder.for_model(model, cfg)
+    run(model, fresh, tokens[:, :34], 24)
+    a, b = _continue(model, caches, tokens[:, 40:]), _continue(model, fresh, tokens[:, 40:])
+    assert close(a, b, 1e-4)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_trim_into_merged_tokens_keeps_the_rest_exactly(model, bits):
+    # window 4 (blocks of 4 merged), no retained tokens: any cut is exact.
+    cfg = KVCacheConfig(method="minicache", window=4, bits=bits, retention_threshold=0.0)
+    tokens = mx.random.randint(0, 128, (2, 40), key=mx.random.key(9))
+    caches = KVCacheBuilder.for_model(model, cfg)
+    run(model, caches, tokens[:, :36], 24)
+    before = [c.dense_kv(mx.float32) for c in caches]
+    held = cache_stats(caches)["held_bytes"]
+    assert all(c.trim(15) == 15 for c in caches)  # 36 -> 21: into the merged store
+    store = caches[3].layer.coordinator.store(caches[3].layer.group_id)
+    assert store.n_merged == 21 and store.n_pending(0) == store.n_pending(1) == 0
+    for c, (k, v) in zip(caches, before):
+        got_k, got_v = c.dense_kv(mx.float32)
+        assert mx.array_equal(got_k, k[:, :, :21]).item()
+        assert mx.array_equal(got_v, v[:, :, :21]).item()
+    st = cache_stats(caches)
+    assert st["held_bytes"] < held
+    assert abs(st["held_bytes"] - st["accounted_bytes"]) <= 0.05 * st["accounted_bytes"]
+    out = _continue(model, caches, tokens[:, 21:30])  # merging goes on from there
+    assert bool(mx.all(mx.isfinite(out)).item()) and caches[3].offset == 30
+
+
+def test_trim_of_retained_tokens(model):
+    """Retained tokens beyond the cut leave with it when every head loses as many;
+    a cut that would leave heads with different counts is refused, store unchanged."""
+    cfg = KVCacheConfig(method="minicache", window=8, retention_threshold=0.5)
+    tokens = mx.random.randint(0, 128, (1, 40), key=mx.random.key(10))
+    caches = KVCacheBuilder.for_model(model, cfg)
+    run(model, caches, tokens[:, :39], 24)  # merged: [0, 16) and [16, 24), half retained
+    coord, pair = caches[3].layer.coordinator, caches[3].layer.group_id
+    store = coord.store(pair)
+    assert store.n_merged == 24 and store.n_retained() == (12, 12)
+    ragged = next(cut for cut in range(17, 24) if len({int(x) for x in (
+        store.keys.retained_idx >= cut).sum(axis=-1).reshape(-1).tolist()}) > 1)
+    before = caches[3].dense_kv(mx.float32)
+    with pytest.raises(NotTrimmableError, match="inside a merged block"):
+        caches[3].trim(39 - ragged)
+    assert store.n_merged == 24 and mx.array_equal(caches[3].dense_kv(mx.float32)[0],
+                                                    before[0]).item()
+    # Back to a block boundary (16): 4 retained of each head go with it.
+    assert all(c.trim(39 - 16) == 23 for c in caches)
+    assert store.n_merged == 16 and store.n_retained() == (8, 8)
+    assert mx.array_equal(caches[3].dense_kv(mx.float32)[0], before[0][:, :, :16]).item()
+
+
+def test_tune_grid_spans_the_compression_range(model):
+    tokens = mx.random.randint(0, 128, (1, 200), key=mx.random.key(12))
+    ratios = []
+    for opts in MiniCacheCache.tune_grid(2048):
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig("minicache", **opts))
+        run(model, caches, tokens, 199)
+        ratios.append(cache_stats(caches)["ratio"])
+    # The merge alone keeps about 0.8 of fp16 (plus the float16 windows of 64-127 tokens,
+    # a large share of 200); with 2-bit codes on every layer about a third of that.
+    assert min(ratios) < 0.3 and max(ratios) > 0.8, ratios

@@ -159,13 +159,13 @@ def test_tiny_model_under_generate_step_batch_and_compression():
     assert mx.abs(out - dense).max().item() < 1e-4
 
 
-def test_not_trimmable_and_state_round_trip():
+def test_trimming_into_the_keep_set_is_refused_and_state_round_trip():
     q, k, v = _qkv(60)
     c = _cache(window=4, capacity=20)
     _prefill_then_decode(c, q, k, v, [59], n_decode=1)
-    assert not c.is_trimmable()
-    with pytest.raises(NotImplementedError, match="not trimmable"):
-        c.trim(1)
+    # Only the observation window (4 tokens) follows the per-head keep-set.
+    with pytest.raises(NotImplementedError, match="only its last 4 tokens"):
+        c.trim(5)
     d = SnapKVCache.from_state(c.state)
     d.meta_state = c.meta_state
     assert d.compressed and d.capacity == 20 and d.offset == 60

@@ -113,10 +113,15 @@ def test_tiny_model_matches_dense_until_the_window_fills():
     assert cache_stats(small)["held_bytes"] == 4 * 2 * 2 * 10 * 64 * 2
 
 
-def test_not_trimmable():
-    c = _cache()
+def test_trimmable_only_until_a_token_is_evicted():
+    q, k, v = _kv(60)
+    c = _cache(sink=2, window=10)
+    _run(c, q, k, v, [12])  # sink + window: nothing evicted yet
+    assert c.is_trimmable() and c.trim(3) == 3 and c.offset == 9
+    assert c.keys.shape[2] == 9
+    _run(c, q, k, v, [4])  # 13 tokens: one evicted
     assert not c.is_trimmable()
-    with pytest.raises(NotImplementedError, match="not trimmable"):
+    with pytest.raises(NotImplementedError, match="not trimmable after eviction"):
         c.trim(1)
 
 

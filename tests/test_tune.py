@@ -22,8 +22,9 @@ class CharTokenizer:
 
 
 def _params(budget: float, **kw) -> tune.TuneParams:
+    kw.setdefault("only", ("turboquant",))
     return tune.TuneParams(budget=budget, context=192, predict=16, windows=2, per_method=2,
-                           only=("turboquant",), **kw)
+                           **kw)
 
 
 def test_choice_fits_the_budget_and_beats_what_it_passed_over(tmp_path: Path,
@@ -56,7 +57,7 @@ def test_choice_fits_the_budget_and_beats_what_it_passed_over(tmp_path: Path,
 def test_an_impossible_budget_names_the_cheapest_candidate(tmp_path: Path) -> None:
     model = tiny_model("llama", head_dim=64, num_attention_heads=2)
     with pytest.raises(ValueError, match="no candidate fits budget=0.01; the cheapest"):
-        tune.run_tune(model, CharTokenizer(), _params(0.01), tmp_path / "x.json",
+        tune.run_tune(model, CharTokenizer(), _params(0.01, mixed=False), tmp_path / "x.json",
                       text=TEXT, progress=False)
 
 
@@ -75,3 +76,47 @@ def test_the_journal_is_ignored_for_another_run(tmp_path: Path) -> None:
     assert tune.Journal(path, "aaa").get("bytes:x") == 0.5
     assert tune.Journal(path, "bbb").get("bytes:x") is None
     assert json.loads(path.read_text())["fingerprint"] == "aaa"
+
+
+def test_frontier_shares_measurements_and_mixes_widths_per_budget(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """Several budgets on one journal: a candidate's bytes are measured once; each budget
+    gets calibrated mixed-precision candidates that fit it; families are shortlisted
+    apart (a stack is not crowded out by its plain method)."""
+    model = tiny_model("llama", head_dim=64, num_attention_heads=2)
+    measured: list[str] = []
+    real = tune.measure_retained
+
+    def counting(model, cfg, *a, **k):
+        measured.append(cfg.to_string())
+        return real(model, cfg, *a, **k)
+
+    def quality(model, tok, configs, *a, **k):  # cheapest first: a stand-in score
+        return {"rows": [{"method": c.to_string(), "ppl_ratio": 1.0, "ppl_ratio_ci": [1, 1],
+                          "kl": 1.0 / (1 + i), "kl_ci": [0.9 / (1 + i), 1.1 / (1 + i)],
+                          "top1": 0.9, "top1_ci": [0.9, 0.9]} for i, c in enumerate(configs)]}
+
+    grid = ["turboquant:k_bits=4,v_bits=4,window=8", "turboquant:k_bits=2,v_bits=2,window=8",
+            "streaming:window=140", "streaming:window=140,store=codebook,k_bits=3,v_bits=3"]
+    monkeypatch.setattr(tune, "candidate_configs",
+                        lambda *a: [KVCacheConfig.from_string(g) for g in grid])
+    monkeypatch.setattr(tune, "measure_retained", counting)
+    monkeypatch.setattr(tune, "evaluate_quality", quality)
+    params = _params(0.5, only=("turboquant",))
+    result = tune.run_frontier(model, CharTokenizer(), params, (0.5, 0.35), tmp_path / "f.json",
+                               text=TEXT, progress=False)
+    assert len(measured) == len(set(measured))  # nothing measured twice
+    fams = []
+    for budget, res in zip((0.5, 0.35), result["frontier"]):
+        cands = res["candidates"]
+        scored = [c for c in cands if c.get("kl") is not None]
+        assert scored and all(c["real_over_fp16"] <= budget for c in scored)
+        fams.append({c["family"] for c in scored})
+    # At 0.5 every width is the widest (a uniform config); at 0.35 widths are mixed.
+    mixed = [c for c in result["frontier"][1]["candidates"] if c["family"] == "turboquant+mixed"]
+    assert mixed and min(c["real_over_fp16"] for c in mixed) <= 0.35
+    # 0.5: the dense window (0.73 of fp16) is out, its codebook stack is in.
+    assert "streaming+store=codebook" in fams[0] and "streaming" not in fams[0]
+    assert json.loads((tmp_path / "f.json").read_text())["frontier"][1]["params"]["budget"] == 0.35
+    table = tune.frontier_markdown(result).splitlines()
+    assert len(table) == 4 and table[3].startswith(f"| 0.35 | `{result['frontier'][1]['chosen']}`")

@@ -7,11 +7,14 @@ from test_memory import keep_dense_copy, no_buffer_cache  # noqa: F401 (a fixtur
 from tiny_models import tiny_model
 
 from veloxquant_mlx.builder import KVCacheBuilder, cache_stats
+from veloxquant_mlx.cache.base import LayerInfo
 from veloxquant_mlx.cache.xkv import XKVCache, linear_cka, link_groups
 from veloxquant_mlx.config import ConfigError, KVCacheConfig
+from veloxquant_mlx.ops import factors as fr
 
 BLOCK = 32
 FULL = 128  # tokens in the SVD block that span G*D = 2*64 features (exact projection)
+REFIT = 256  # the smallest block that gets a basis per block: 2 * G * D
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +23,8 @@ def model():
 
 
 def _cfg(**kw):
-    base = dict(method="xkv", block=BLOCK, group_layers=2, energy_threshold=1.0)
+    # No sinks unless a test asks: the timelines below count tokens from position 0.
+    base = dict(method="xkv", block=BLOCK, group_layers=2, energy_threshold=1.0, sink=0)
     base.update(kw)
     return KVCacheConfig(**base)
 
@@ -63,6 +67,7 @@ class _Forgetful(KVCache):
     ("pre_rope", "yes", "True or False"),
     ("grouping", "random", r"\['contiguous', 'cka'\]"),
     ("window", -1, "positive|>= 0"),
+    ("sink", -2, ">= 0"),
 ])
 def test_bad_config_names_field(field, value, match):
     with pytest.raises(ConfigError, match=rf"xkv\.{field}=.*{match}"):
@@ -75,11 +80,15 @@ def test_quantization_group_size_is_not_an_xkv_option():
         _cfg(group_size=4)
 
 
-def test_rank_larger_than_group_width(model):
-    # tiny llama: 2 KV heads x 32 = 64 features per layer; G=1 allows rank <= 64.
-    with pytest.raises(ConfigError, match=r"rank_k=100.*1\*64"):
-        KVCacheBuilder.for_model(model, _cfg(group_layers=1, block=128,
-                                             rank_k=100))
+def test_rank_larger_than_group_width_keeps_the_width(model):
+    # tiny llama: 2 KV heads x 32 = 64 features per layer; G=1 caps the rank at 64.
+    caches = KVCacheBuilder.for_model(model, _cfg(group_layers=1, block=128, rank_k=100,
+                                                  rank_v=100))
+    tokens = _tokens(1, n=140)
+    ref = _run(model, make_prompt_cache(model), tokens, 128)
+    out = _run(model, caches, tokens, 128)
+    assert all(b.parts["keys"][2] == 64 for c in caches for b in c.bases)
+    assert mx.abs(out - ref).max().item() < 0.1  # full width: nothing lost
 
 
 def test_cka_grouping(model):
@@ -106,11 +115,6 @@ def test_linear_cka():
     assert linear_cka(x, mx.random.normal((64, 8))) < 0.5
 
 
-def test_block_must_fit_factor_quantization():
-    with pytest.raises(ConfigError, match="block=48.*multiple of 32"):
-        _cfg(block=48, factor_bits=4)
-
-
 # ---- roles ----
 def test_contiguous_groups_one_coordinator(model):
     caches = KVCacheBuilder.for_model(model, _cfg(group_layers=2))
@@ -121,6 +125,11 @@ def test_contiguous_groups_one_coordinator(model):
 
 
 # ---- behaviour ----
+def _rows(c, stream="keys"):
+    """Token factor rows the leader ``c`` holds (all bases)."""
+    return sum(fr.rows_count(r) for r in c.shared[stream])
+
+
 @pytest.mark.parametrize("pre_rope,batch", [(True, 2), (False, 1)])
 def test_full_energy_matches_dense(model, pre_rope, batch):
     tokens = _tokens(batch, n=FULL + 70)
@@ -128,35 +137,57 @@ def test_full_energy_matches_dense(model, pre_rope, batch):
     caches = KVCacheBuilder.for_model(model, _cfg(block=FULL, pre_rope=pre_rope))
     out = _run(model, caches, tokens, FULL + 50)
     # 198 tokens: the SVD block of 128, then projected steps of 32 (two), window 6.
-    assert all(c.win_start == FULL + 64 and c.basis for c in caches)
-    assert all(c.shared["keys"].shape[-1] == FULL + 64 for c in caches[::2])
+    assert all(c.win_start == FULL + 64 and len(c.bases) == 1 for c in caches)
+    assert all(_rows(c) == FULL + 64 for c in caches[::2])
     # float16 factors; later tokens go through a float32 least-squares solve whose
     # smallest directions (from the Gram-matrix eigenbasis) are the least accurate.
     assert mx.abs(out - ref).max().item() < 0.1
 
 
-def test_attend_matches_dense_kernel(model):
-    """Factor-space attention (values, and keys after RoPE) equals attention over the
-    rebuilt keys and values."""
-    tokens = _tokens(1, n=FULL + 40)
-    for pre_rope in (True, False):
-        caches = KVCacheBuilder.for_model(model, _cfg(block=FULL, rank_k=12,
-                                                      rank_v=12, pre_rope=pre_rope))
-        _run(model, caches, tokens, FULL + 40)
-        c = caches[1]
-        a, bk, mk = c._factors("keys")
-        av, bv, mv = c._factors("values")
-        k = a.swapaxes(-1, -2)[:, None] @ bk + mk
+def _manual_kv(c):
+    """Keys/values of ``c`` rebuilt here from what it stores (sinks, each basis's rows
+    and member factors, window), independently of the cache's own code."""
+    info, H = c.layer, c.layer.n_kv_heads
+    ks, vs = [c.sink_k.astype(mx.float32)], [c.sink_v.astype(mx.float32)]
+    for j, basis in enumerate(c.bases):
+        end = c.bases[j + 1].start if j + 1 < len(c.bases) else c.win_start
+        out = []
+        for stream in ("keys", "values"):
+            a = fr.load_rows(c.leader.shared[stream][j])[:, :end - basis.start]
+            own, mean, _ = basis.parts[stream]
+            b = own.astype(mx.float32) if not hasattr(own, "codes") else \
+                mx.dequantize(own.codes, own.scales.astype(mx.float32),
+                              own.biases.astype(mx.float32), group_size=own.group_size,
+                              bits=own.bits)
+            x = a @ b + mean.astype(mx.float32)  # [1, n, D]
+            out.append(x.reshape(1, -1, H, info.head_dim).transpose(0, 2, 1, 3))
+        k, v = out
         if c.pre_rope:
-            info = c.layer
             k = mx.fast.rope(k, info.rope_dims, traditional=info.rope_traditional,
-                             base=info.rope_base, scale=info.rope_scale, offset=0)
-        v = av.swapaxes(-1, -2)[:, None] @ bv + mv
-        k = mx.concatenate([k, c.win_k.astype(mx.float32)], axis=2)
-        v = mx.concatenate([v, c.win_v.astype(mx.float32)], axis=2)
-        q = mx.random.normal((1, 4, 3, 32))
-        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
-        assert mx.allclose(c.attend(q, 0.2, "causal"), ref, atol=1e-4).item()
+                             base=info.rope_base, scale=info.rope_scale, offset=basis.start)
+        ks.append(k)
+        vs.append(v)
+    ks.append(c.win_k.astype(mx.float32))
+    vs.append(c.win_v.astype(mx.float32))
+    return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+
+
+@pytest.mark.parametrize("pre_rope", [True, False])
+def test_attend_matches_dense_kernel(model, pre_rope):
+    """Attention over sinks, two bases (values, and keys after RoPE, in factor space)
+    and the window equals the dense kernel over keys and values rebuilt by hand."""
+    tokens = _tokens(1, n=3 * REFIT + 40)
+    caches = KVCacheBuilder.for_model(model, _cfg(block=REFIT, rank_k=12, rank_v=12,
+                                                  pre_rope=pre_rope, sink=3))
+    _run(model, caches, tokens, 2 * REFIT + 40, chunk=64)
+    c = caches[1]
+    assert len(c.bases) == 2 and c.n_sink == 3 and c.win_k is not None
+    k, v = _manual_kv(c)
+    assert k.shape[2] == c.offset
+    q = mx.random.normal((1, 4, 3, 32))
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
+    assert mx.allclose(c.attend(q, 0.2, "causal"), ref, atol=1e-4).item()
+    assert all(mx.allclose(a, b, atol=1e-4).item() for a, b in zip(c.dense_kv(), (k, v)))
 
 
 def test_low_rank_compresses_and_accounting_matches(model):
@@ -177,7 +208,11 @@ def test_low_rank_compresses_and_accounting_matches(model):
     for c in caches:
         # Nothing full-size: the window holds only tokens not yet compressed.
         assert c.win_k.shape[2] == c.offset - c.win_start < BLOCK
-        assert all(a.shape[-2] <= 2 * BLOCK for a in c.held_arrays() if a.ndim >= 2)
+        rows = {id(a) for segs in c.shared.values() for r in segs for a in fr.rows_arrays(r)}
+        assert all(a.shape[-2] <= 2 * BLOCK for a in c.held_arrays()
+                   if a.ndim >= 2 and id(a) not in rows)
+        # The token factor: one row of rank 8 (coded in one group of 32) per token.
+        assert all(a.shape[-2] == c.win_start for a in c.held_arrays() if id(a) in rows)
 
 
 def test_shared_token_factor_held_once(model):
@@ -185,7 +220,7 @@ def test_shared_token_factor_held_once(model):
     caches = KVCacheBuilder.for_model(model, _cfg(rank_k=8, rank_v=8))
     _run(model, caches, tokens, 64)
     leader, member = caches[0], caches[1]
-    assert leader.shared and not member.shared
+    assert _rows(leader) and not any(member.shared.values())
     ids_leader = {id(a) for a in leader.held_arrays()}
     assert not ids_leader & {id(a) for a in member.held_arrays()}
     # The member's bytes are its own factors + means + window only.
@@ -202,14 +237,14 @@ def test_units_move_after_the_pass_that_completes_them(model):
     # cache whose block never completes) ...
     assert mx.array_equal(out, model(tokens[:, :BLOCK], cache=never)).item()
     # ... and right after it every member holds factors; the coordinator holds nothing.
-    assert all(c.basis and not c.pending and c.win_start == BLOCK for c in caches)
+    assert all(c.bases and not c.pending and c.win_start == BLOCK for c in caches)
     # 3 groups x (keys, values): one SVD each, and no more for later tokens.
     assert coord.svd_calls == 6 and coord.pending_bytes() == 0
     model(tokens[:, BLOCK:BLOCK + 1], cache=caches)
     assert all(c.win_start == BLOCK and not c.pending for c in caches)
     model(tokens[:, BLOCK + 1:], cache=caches)  # 32 more: one projection step
     assert all(c.win_start == BLOCK + 32 and not c.pending for c in caches)
-    assert caches[0].shared["values"].shape[-1] == BLOCK + 32
+    assert _rows(caches[0], "values") == BLOCK + 32
     assert coord.svd_calls == 6 and coord.pending_bytes() == 0
 
 
@@ -312,3 +347,154 @@ def test_non_contiguous_groups_work(model, monkeypatch):
     out = _run(model, caches, tokens, FULL + 32)
     assert all(c.win_start == FULL + 32 for c in caches)
     assert mx.abs(out - ref).max().item() < 0.1
+
+
+# ---- sinks and one basis per prompt block ----
+def _single_layer(**kw):
+    """One xKV cache of a group of one layer: 1 KV head x 32, no RoPE (G*D = 32)."""
+    cfg = KVCacheConfig(**{**dict(method="xkv", group_layers=1, energy_threshold=1.0,
+                                  sink=0), **kw})
+    return XKVCache(cfg, LayerInfo(n_kv_heads=1, head_dim=32))
+
+
+def _feed(c, x, chunk):
+    """``x`` [T, 32] through ``c`` as keys and values in chunks, then settle."""
+    for i in range(0, x.shape[0], chunk):
+        part = x[None, None, i:i + chunk]
+        c.update_and_fetch(part, part)
+    c._settle_group()  # what the group's last attention does
+
+
+def _subspace_tokens(n, rank, seed):
+    mx.random.seed(seed)
+    return mx.random.normal((n, rank)) @ mx.random.normal((rank, 32))
+
+
+def _err(c, x):
+    k, _ = c.dense_kv(mx.float32)
+    return (mx.linalg.norm(k[0, 0] - x) / mx.linalg.norm(x)).item()
+
+
+def test_sinks_stay_exact_and_outside_the_svd(model):
+    tokens = _tokens(1, n=FULL + 40)
+    dense = make_prompt_cache(model)
+    _run(model, dense, tokens, FULL + 40)
+    caches = KVCacheBuilder.for_model(model, _cfg(block=FULL, sink=3, rank_k=8, rank_v=8))
+    _run(model, caches, tokens, FULL + 40)
+    for c, d in zip(caches, dense):
+        assert c.n_sink == 3 and c.bases[0].start == 3
+        # Layer 0's inputs are dense's exactly; later layers' differ by attention
+        # rounding only (the 3 sinks hold 3 tokens' keys/values as received).
+        same = mx.array_equal if c.layer.layer_idx == 0 else \
+            (lambda a, b: mx.allclose(a, b, atol=1e-2))
+        assert same(c.sink_k, d.keys[:, :, :3].astype(mx.float16)).item()
+        assert same(c.sink_v, d.values[:, :, :3].astype(mx.float16)).item()
+    # A sink token far from the others (as real sinks are) costs the others their fit
+    # when it goes into the SVD: it takes a direction and shifts the mean.
+    x = _subspace_tokens(96, 4, seed=2)
+    x = mx.concatenate([40 * mx.random.normal((1, 32)), x[1:]])
+    errs = []
+    for sink in (0, 1):
+        c = _single_layer(block=64, rank_k=4, rank_v=4, sink=sink)
+        _feed(c, x, 16)
+        k, _ = c.dense_kv(mx.float32)
+        errs.append((mx.linalg.norm(k[0, 0, 1:64] - x[1:64]) /
+                     mx.linalg.norm(x[1:64])).item())
+    assert errs[1] < 1e-2 < 0.2 < errs[0], errs  # measured: 3e-4 and 0.36
+
+
+def test_a_basis_per_prompt_block_fits_later_tokens():
+    # Two prompt blocks from different subspaces of rank 4: one basis each fits both;
+    # projecting the second onto the first block's basis (a block too small to earn
+    # its own basis: < 2*G*D) loses most of it.
+    x = mx.concatenate([_subspace_tokens(64, 4, seed=3), _subspace_tokens(64, 4, seed=4)])
+    refit = _single_layer(block=64, rank_k=4, rank_v=4)
+    _feed(refit, x, 64)  # prompt chunks of 64 ...
+    refit.update_and_fetch(mx.zeros((1, 1, 1, 32)), mx.zeros((1, 1, 1, 32)))  # ... its end
+    assert refit.refit and [b.start for b in refit.bases] == [0, 64]
+    once = _single_layer(block=63, rank_k=4, rank_v=4)
+    _feed(once, x, 64)
+    assert not once.refit and [b.start for b in once.bases] == [0]
+    k_refit = refit.dense_kv(mx.float32)[0][0, 0, :128]
+    assert (mx.linalg.norm(k_refit - x) / mx.linalg.norm(x)).item() < 1e-2
+    assert _err(once, x[:once.offset]) > 0.3
+
+
+def test_prompt_rest_gets_a_basis_at_the_end_of_the_prompt():
+    x = _subspace_tokens(64 + 40, 4, seed=5)
+    c = _single_layer(block=64, rank_k=4, rank_v=4)
+    _feed(c, x, 52)  # chunks of 52 (prompt), then the rest (52) ...
+    assert [b.start for b in c.bases] == [0] and c.win_start == 64
+    tail = mx.zeros((1, 1, 1, 32))
+    c.update_and_fetch(tail, tail)  # ... ends: 40 tokens >= block / 2 get a basis
+    c._settle_group()
+    assert [b.start for b in c.bases] == [0, 64] and c.win_start == 105
+    # Decode tokens then go to the latest basis in steps of 32.
+    for _ in range(32):
+        c.update_and_fetch(tail, tail)
+    c._settle_group()
+    assert [b.start for b in c.bases] == [0, 64] and c.win_start == 137
+    assert fr.rows_count(c.shared["keys"][1]) == 137 - 64
+
+
+# ---- trimming ----
+def _decode_logits(model, caches, toks):
+    return mx.concatenate([model(toks[:, t:t + 1], cache=caches) for t in
+                           range(toks.shape[1])], axis=1)
+
+
+@pytest.mark.parametrize("cut", [3, 20, 60, 150, 170])
+def test_trim_keeps_the_kept_tokens_exactly(model, cut):
+    """Trimming the window (3), projected rows (20, 60), rows of the basis block (150)
+    and sinks (170 of 172): what is kept is held bit for bit as before, and the cache
+    continues as a fresh one of the kept tokens (full rank: lossless)."""
+    tokens = _tokens(1, n=FULL + 64)
+    cfg = _cfg(block=FULL, sink=4, factor_bits=8)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    _run(model, caches, tokens[:, :FULL + 44], FULL + 40)
+    before = [c.dense_kv(mx.float32) for c in caches]
+    held = cache_stats(caches)["held_bytes"]
+    assert all(c.is_trimmable() and c.trim(cut) == cut for c in caches)
+    keep = FULL + 44 - cut
+    for c, (k, v) in zip(caches, before):
+        assert c.offset == keep
+        got = c.dense_kv(mx.float32)
+        assert mx.array_equal(got[0], k[:, :, :keep]).item()
+        assert mx.array_equal(got[1], v[:, :, :keep]).item()
+    st = cache_stats(caches)
+    assert st["held_bytes"] < held and st["held_bytes"] == st["accounted_bytes"]
+    fresh = KVCacheBuilder.for_model(model, cfg)
+    _run(model, fresh, tokens[:, :keep], keep)
+    # 20 more tokens cross the next projection step (published again after the trim).
+    more = tokens[:, keep:keep + 20]
+    a, b = _decode_logits(model, caches, more), _decode_logits(model, fresh, more)
+    assert mx.abs(a - b).max().item() < 0.1
+    coord = caches[0].layer.coordinator
+    assert coord.published_tokens(0) == caches[0].win_start - caches[0].n_sink
+
+
+def test_trim_everything_then_reuse(model):
+    tokens = _tokens(1, n=FULL + 40)
+    caches = KVCacheBuilder.for_model(model, _cfg(block=FULL, sink=2))
+    _run(model, caches, tokens, FULL + 40)
+    assert all(c.trim(10**6) == FULL + 40 and c.offset == 0 for c in caches)
+    assert cache_stats(caches)["held_bytes"] == 0
+    ref = _run(model, make_prompt_cache(model), tokens, FULL + 40)
+    assert mx.abs(_run(model, caches, tokens, FULL + 40) - ref).max().item() < 0.1
+
+
+def test_tune_grid_spans_the_compression_range():
+    from conftest import run_prefill
+
+    # 2 KV heads x 64: G*D = 4*128 = 512 features, so every grid rank is a real one.
+    model = tiny_model("llama", hidden_size=512, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=64)
+    prompt = [(i * 37 + 11) % 120 + 1 for i in range(512)]
+    ratios = []
+    for opts in XKVCache.tune_grid(len(prompt)):
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig("xkv", **opts))
+        run_prefill(model, caches, prompt, chunk=128)
+        model(mx.array([[5]]), cache=caches)  # the prompt's end: one basis over it
+        assert all(len(c.bases) == 1 for c in caches)
+        ratios.append(cache_stats(caches)["ratio"])
+    assert min(ratios) < 0.2 and max(ratios) > 0.4, ratios

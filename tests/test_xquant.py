@@ -165,6 +165,43 @@ def test_trim_and_state_roundtrip(llama):
     assert c.codes[0].codes.shape[1] == 24
 
 
+@pytest.mark.parametrize("method,kwargs", [("xquant", {}), ("xquant", {"window": 8}),
+                                           ("xquant", {"latent": False}),
+                                           ("xquant_cl", {})])
+@pytest.mark.parametrize("cut", [3, 10])
+def test_trim_continues_as_a_fresh_cache(llama, method, kwargs, cut):
+    """Each token's X (or latents, or CL delta) is coded on its own: dropping the last
+    tokens leaves the others' codes (and window) as they were. Without a window the
+    cache then goes on exactly as one that only saw the kept tokens, fed the same way
+    (a chunk of 20, then one at a time); with one, the kept tokens stay as held (those
+    that had left the window stay coded, where a fresh cache would hold them in it)."""
+    tokens = mx.random.randint(0, 128, (1, 40), key=mx.random.key(7))
+    cfg = KVCacheConfig(method=method, **kwargs)
+    caches = KVCacheBuilder.for_model(llama, cfg)
+    _run(llama, tokens[:, :30], caches, 20)
+    held = [c.stored_arrays() for c in caches]
+    dense = [c.dense_kv() for c in caches] if method == "xquant" else None
+    assert all(c.is_trimmable() and c.trim(cut) == cut for c in caches)
+    keep = 30 - cut
+    for i, (c, before) in enumerate(zip(caches, held)):
+        after = c.stored_arrays()
+        assert c.offset == keep and sum(a.nbytes for a in after) < sum(a.nbytes for a in before)
+        codes = c.codes[0].codes
+        assert mx.array_equal(codes, before[0][:, :codes.shape[1]]).item()
+        if dense is not None:
+            k, v = c.dense_kv()
+            assert mx.array_equal(k, dense[i][0][:, :, :keep]).item()
+            assert mx.array_equal(v, dense[i][1][:, :, :keep]).item()
+    st = cache_stats(caches)
+    assert st["held_bytes"] == st["accounted_bytes"]
+    if kwargs.get("window"):
+        return
+    fresh = KVCacheBuilder.for_model(llama, cfg)
+    _run(llama, tokens[:, :keep], fresh, 20)
+    more = tokens[:, 30:]
+    assert _rel_err(_run(llama, more, caches, 1), _run(llama, more, fresh, 1)) < 1e-4
+
+
 def test_unsupported_architecture_is_a_clear_error():
     from veloxquant_mlx.eval.architectures import build_tiny
 
@@ -294,8 +331,11 @@ def test_factored_values_match_rematerialized(model_type, latent):
         q = mx.random.normal((2, H, L, D), key=mx.random.key(8))
         assert proj.factored_pays(H * L)
         ref = mx.fast.scaled_dot_product_attention(q, keys, ref_v, scale=0.3, mask=mask)
-        out = proj.attend(q, keys, parts, 0.3, mask)
+        out = proj.attend(q, [(0, parts)], 0.3, mask)
         assert mx.allclose(out, ref, atol=1e-5).item(), (L, mask)
+        # Held as segments (coded tokens, window, chunk): keys rotated per segment.
+        split = [(a, [p[:, a:b] for p in parts]) for a, b in ((0, 7), (7, 16), (16, S))]
+        assert mx.allclose(proj.attend(q, split, 0.3, mask), ref, atol=1e-5).item()
     # Long prefill chunks rematerialize V (with one KV head the factor always pays).
     assert proj.factored_pays(H * 512) == latent
     uninstall_x_hook(model)
@@ -331,3 +371,21 @@ def test_batched_rows_match_single_sequences(llama, method):
     assert mx.allclose(step[0], a1[0], atol=1e-4).item()
     assert mx.allclose(step[1], b1[0], atol=1e-4).item()
     assert [c.offset for c in per_seq[1]] == [5] * 4
+
+
+@pytest.mark.parametrize("cls", [XQuantCache, XQuantCLCache])
+def test_tune_grid_spans_the_compression_range(cls):
+    # 2 KV heads x 64 in a 512-wide model: the latent (256) is narrower than X (512).
+    model = tiny_model("llama", hidden_size=512, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=64)
+    tokens = mx.random.randint(0, 128, (1, 64), key=mx.random.key(11))
+    ratios = []
+    for opts in cls.tune_grid(2048):
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig(cls.method, **opts))
+        model(tokens, cache=caches)
+        ratios.append(stored_bytes(caches) / cache_stats(caches)["fp16_bytes"])
+    uninstall_x_hook(model)
+    # XQuant-CL stores the residual stream, twice as wide as K and V here (1.5x on
+    # SmolLM2): its grid spans 8-bit anchor + 4-bit deltas down to 2-bit deltas.
+    low, high = (0.3, 0.4) if cls is XQuantCache else (0.45, 0.65)
+    assert min(ratios) < low and max(ratios) > high, ratios

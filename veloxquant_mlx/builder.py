@@ -21,8 +21,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from .cache.base import CompressedCache, LayerInfo
+from .cache.rotated import rotated_class, wants_rotation
 from .cache.sliding import SlidingCache, sliding_mode
-from .config import KVCacheConfig
+from .config import ConfigError, KVCacheConfig
 from .errors import UnsupportedModelError
 from .integration.mlx_lm import (
     SlotProbe,
@@ -84,6 +85,18 @@ def _nothing_to_compress(model: nn.Module, method: str,
         "recurrent, chunked, list and model-specific caches keep the model's own.")
 
 
+def _check_overrides(config: KVCacheConfig, modes: dict[int, str]) -> None:
+    """Per-layer overrides must name slots the method compresses as plain layers (a
+    sliding-window ring slices its inner cache by the method's shared options)."""
+    bad = sorted(i for i in config.layer_overrides() if modes.get(i) not in ("full", "native"))
+    if bad:
+        have = sorted(i for i, m in modes.items() if m in ("full", "native"))
+        raise ConfigError(
+            f"KVCacheConfig.layers overrides layer(s) {bad}, which method "
+            f"{config.method!r} does not compress as full layers on this model; the "
+            f"layers it does: {have}")
+
+
 class KVCacheBuilder:
     """Builds the per-slot caches of a model for a ``KVCacheConfig``."""
 
@@ -130,12 +143,15 @@ class KVCacheBuilder:
         elif options:
             config = config.replace(**options)
         method_cls = get_method(config.method)
+        if wants_rotation(config):  # rotate=True (checked rotatable by the config)
+            method_cls = rotated_class(method_cls)
         model_layers(model)  # a clear error for models without transformer blocks
         probes = probe_model(model)
         infos = cls.layer_infos(model, probes)
         modes = _modes(method_cls, probes, infos)
         if not modes:
             raise _nothing_to_compress(model, config.method, probes)
+        _check_overrides(config, modes)
         slots = sorted(modes)
         check_attention_routing(model, slots, config.method, probes, method_caps(method_cls))
         layers = [infos[i] for i in slots]

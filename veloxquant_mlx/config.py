@@ -4,7 +4,18 @@
 (``AffineOptions(bits=4)``) from the keyword values; ``config.options`` holds it. The
 string form ``"affine:bits=4,window=32"`` (CLI, sweeps), ``to_dict``/``from_dict`` (saved
 caches, JSON) and ``to_file``/``from_file`` round-trip. Configs written by 0.1 (one flat
-dict with every method's prefixed fields) still load through ``from_dict``.
+dict with every method's prefixed fields) still load through ``from_dict``, and so do
+configs written before ``rotate`` and ``layers`` existed.
+
+Two shared switches change how a method's caches are built (``builder``):
+
+- ``rotate=True``: keys, values and queries are rotated per head by one seeded random
+  orthogonal matrix before the method stores them (``cache.rotated``), for methods whose
+  class says ``rotatable``. A method with its own ``rotate`` option (turboquant) gets the
+  keyword as that option.
+- ``layers``: per-layer option overrides, ``{layer: {option: value}}``, or the compact
+  string ``"0-3:bits=4+window=64/10:bits=3"`` (``/`` between groups, ``+`` between
+  options; no commas, so it fits in ``method:key=value,...`` specs and CLI flags).
 """
 
 from __future__ import annotations
@@ -18,7 +29,8 @@ from .options import ConfigError, MethodOptions, config_error
 
 __all__ = ["ConfigError", "KVCacheConfig", "config_error", "parse_value"]
 
-SHARED_DEFAULTS: dict[str, Any] = {"max_ctx": 131072, "window_dtype": "float16"}
+SHARED_DEFAULTS: dict[str, Any] = {"max_ctx": 131072, "window_dtype": "float16",
+                                   "rotate": False, "layers": None}
 SHARED = tuple(SHARED_DEFAULTS)
 WINDOW_DTYPES = (None, "float16", "bfloat16", "float32")
 _LEGACY_SHARED = ("method", "max_ctx", "window_dtype", "extra")
@@ -42,18 +54,29 @@ class KVCacheConfig:
     max_ctx: token budget per layer (and per cross-layer group); writing beyond raises.
     window_dtype: dtype of full-precision windows, ``"float16"``, ``"bfloat16"``,
         ``"float32"`` or ``None`` (the model's compute dtype).
+    rotate: rotate keys/values/queries per head before the method stores them (methods
+        whose cache class is ``rotatable``; see ``cache.rotated``).
+    layers: per-layer option overrides (see the module doc), held as sorted
+        ``((layer, ((option, value), ...)), ...)``; ``layer_options(i)`` applies them.
     """
 
     method: str
     options: MethodOptions
     max_ctx: int
     window_dtype: str | None
+    rotate: bool
+    layers: tuple[tuple[int, tuple[tuple[str, Any], ...]], ...] | None
 
     def __init__(self, method: str = "none", options: MethodOptions | None = None, *,
                  max_ctx: int = SHARED_DEFAULTS["max_ctx"],
                  window_dtype: str | None = SHARED_DEFAULTS["window_dtype"],
+                 rotate: bool | None = None, layers: Any = None,
                  **option_values: Any) -> None:
         cls = _options_class(method)
+        if rotate is not None and "rotate" in cls.field_names():
+            option_values["rotate"] = rotate  # the method rotates by itself (turboquant)
+            rotate = None
+        rotate = SHARED_DEFAULTS["rotate"] if rotate is None else rotate
         if options is None:
             options = cls.from_kwargs(option_values)
         elif not isinstance(options, cls):
@@ -61,13 +84,18 @@ class KVCacheConfig:
         elif option_values:
             options = cls.from_kwargs(option_values, base=options)
         for name, value in (("method", method), ("options", options), ("max_ctx", max_ctx),
-                            ("window_dtype", window_dtype)):
+                            ("window_dtype", window_dtype), ("rotate", rotate),
+                            ("layers", _layer_overrides(layers, method, options))):
             object.__setattr__(self, name, value)
         if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or max_ctx < 1:
             raise config_error("max_ctx", max_ctx, "a positive integer")
         if window_dtype not in WINDOW_DTYPES:
             raise config_error("window_dtype", window_dtype,
                                "one of 'float16', 'bfloat16', 'float32' or None")
+        if not isinstance(rotate, bool):
+            raise config_error("rotate", rotate, "True or False")
+        if rotate:
+            _check_rotatable(method, options)
 
     def __getattr__(self, name: str) -> Any:
         # 0.1 read options as flat fields (``config.xkv_rank_k``); keep that working.
@@ -88,12 +116,29 @@ class KVCacheConfig:
         return KVCacheConfig(method, options, **{**self._shared(), **shared}, **changes)
 
     def _shared(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in SHARED}
+        # A method with its own ``rotate`` option has no shared one (it is always False).
+        return {k: getattr(self, k) for k in SHARED
+                if k != "rotate" or "rotate" not in self.options.field_names()}
+
+    def layer_options(self, layer: int) -> MethodOptions:
+        """The options of cache slot ``layer``: ``options`` with its overrides applied."""
+        override = dict(self.layer_overrides().get(layer, {}))
+        return type(self.options).from_kwargs(override, base=self.options) if override \
+            else self.options
+
+    def layer_overrides(self) -> dict[int, dict[str, Any]]:
+        """``{layer: {option: value}}`` of the per-layer overrides (empty without)."""
+        return {i: dict(items) for i, items in self.layers or ()}
 
     # ---- serialization ----
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serializable dict (saved caches, reports, config files)."""
-        return {"method": self.method, **self._shared(), "options": self.options.to_dict()}
+        shared = self._shared()
+        if shared["layers"] is None:
+            del shared["layers"]  # as written before per-layer overrides existed
+        else:
+            shared["layers"] = {str(i): o for i, o in self.layer_overrides().items()}
+        return {"method": self.method, **shared, "options": self.options.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVCacheConfig:
@@ -135,6 +180,8 @@ class KVCacheConfig:
         changed = dict(self.options.changed())
         changed.update({k: v for k, v in self._shared().items()
                         if v != SHARED_DEFAULTS[k]})
+        if self.layers:
+            changed["layers"] = layers_to_string(self.layer_overrides())
         items = ",".join(f"{k}={v}" for k, v in changed.items())
         return self.method + (":" + items if items else "")
 
@@ -196,3 +243,104 @@ def parse_value(raw: str) -> Any:
         except ValueError:
             pass
     return raw
+
+
+# ---------------------------------------------------------------- shared switches
+def _check_rotatable(method: str, options: MethodOptions) -> None:
+    """``rotate=True`` needs a method whose stored K/V only meet queries in dot products."""
+    from .registry import get_method, methods
+
+    if not getattr(get_method(method), "rotatable", False):
+        able = sorted(n for n, c in methods().items() if getattr(c, "rotatable", False))
+        raise config_error("rotate", True, f"False for method {method!r}: it does not "
+                           f"attend by dot products over the keys/values it stores (methods "
+                           f"that take rotate=True: {able}; turboquant has its own rotate "
+                           "option)")
+    if getattr(options, "pre_rope", False):
+        raise config_error("rotate", True, f"False while {method}.pre_rope=True: keys "
+                           "stored before RoPE would be rotated by position, and a fixed "
+                           "rotation does not commute with RoPE (set pre_rope=false)")
+
+
+def parse_layers(text: str) -> dict[int, dict[str, Any]]:
+    """``"0-3:bits=4+window=64/10:bits=3"`` -> ``{0: {...}, 1: ..., 10: {"bits": 3}}``."""
+    out: dict[int, dict[str, Any]] = {}
+    for group in filter(None, (g.strip() for g in text.split("/"))):
+        where, sep, items = group.partition(":")
+        if not sep:
+            raise ConfigError(f"layers group {group!r} is not of the form "
+                              "'LAYERS:key=value+key=value' (LAYERS: 3 or 0-3)")
+        values = {}
+        for item in filter(None, (p.strip() for p in items.split("+"))):
+            key, eq, raw = item.partition("=")
+            if not eq:
+                raise ConfigError(f"layers option {item!r} in {group!r} is not key=value")
+            values[key.strip()] = parse_value(raw.strip())
+        for i in _layer_range(where.strip(), group):
+            out.setdefault(i, {}).update(values)
+    return out
+
+
+def _layer_range(where: str, group: str) -> range:
+    lo, dash, hi = where.partition("-")
+    try:
+        first, last = int(lo), int(hi if dash else lo)
+    except ValueError:
+        raise ConfigError(f"layers {where!r} in {group!r} is not a layer index (3) or "
+                          "range (0-3)") from None
+    if first < 0 or last < first:
+        raise ConfigError(f"layers {where!r} in {group!r} is not an increasing range of "
+                          "layer indices >= 0")
+    return range(first, last + 1)
+
+
+def layers_to_string(overrides: dict[int, dict[str, Any]]) -> str:
+    """The compact form of ``overrides``; runs of layers with equal options as ranges."""
+    groups: list[tuple[int, int, str]] = []
+    for i in sorted(overrides):
+        items = "+".join(f"{k}={v}" for k, v in sorted(overrides[i].items()))
+        if groups and groups[-1][1] == i - 1 and groups[-1][2] == items:
+            groups[-1] = (groups[-1][0], i, items)
+        else:
+            groups.append((i, i, items))
+    return "/".join(f"{a}{'' if a == b else f'-{b}'}:{items}" for a, b, items in groups)
+
+
+def _layer_overrides(layers: Any, method: str, options: MethodOptions
+                     ) -> tuple[tuple[int, tuple[tuple[str, Any], ...]], ...] | None:
+    """Validated, canonical per-layer overrides (sorted; option names resolved)."""
+    if layers is None or layers == "" or layers == {} or layers == ():
+        return None
+    if isinstance(layers, str):
+        layers = parse_layers(layers)
+    elif isinstance(layers, (tuple, list)):
+        layers = {i: dict(items) for i, items in layers}
+    if not isinstance(layers, dict):
+        raise config_error("layers", layers, "a dict {layer: {option: value}} or a string "
+                           "such as '0-3:bits=4/10:bits=3'")
+    from .registry import get_method
+
+    if get_method(method).cross_layer:
+        raise config_error("layers", layers, f"None for method {method!r}: per-layer "
+                           "overrides apply to methods whose layers are independent")
+    cls = type(options)
+    out = []
+    for key, override in layers.items():
+        where = str(key)
+        idx = _layer_range(where, where) if isinstance(key, str) else [key]
+        if isinstance(key, bool) or not isinstance(override, dict):
+            raise config_error("layers", layers, "{layer index: {option: value}}")
+        names = {}
+        for name, value in override.items():
+            resolved = cls.resolve_name(name)
+            if resolved is None:
+                raise ConfigError(f"layers: unknown option {name!r} for method {method!r} "
+                                  f"(layer {where}); its options are {cls.field_names()}")
+            names[resolved] = value
+        try:
+            cls.from_kwargs(names, base=options)  # the layer's options must be valid
+        except ConfigError as exc:
+            raise ConfigError(f"layers[{where}]: {exc}") from None
+        items = tuple(sorted(names.items()))
+        out.extend((int(i), items) for i in idx)
+    return tuple(sorted(out)) or None

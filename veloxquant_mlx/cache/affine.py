@@ -7,8 +7,10 @@ tokens leaving the window are quantized.
 
 Decode speed: codes, scales and biases live in buffers written in place (a step of
 1/32 of the tokens held, counted in ``accounted_bytes``), and attention runs on the
-quantized part and the window separately, joined only at the scores (see
-``ops.attention.split_attention``). See ``docs/methods/affine.md``.
+quantized part and the window separately, joined only at the scores: the codes are read
+as bytes and the scales and biases applied to the small scores and probabilities, with
+no dequantized copy; prefill attends in bounded key blocks (``ops.attention``). See
+``docs/methods/affine.md`` and ``docs/cpu-performance.md``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import mlx.core as mx
 
 from ..config import KVCacheConfig
 from ..ops import quantize as q
-from ..ops.attention import split_attention
+from ..ops.attention import Slot, attend_parts, slot_parts
 from ..options import MethodOptions
 from ..registry import register
 from .base import CompressedCache, LayerInfo, require_group_divides
@@ -59,6 +61,7 @@ class AffineCache(CompressedCache):
     stores = "K and V codes + per-group scale/bias, optional fp window"
     Options = AffineOptions
     attends = True
+    rotatable = True
     meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
     compute_dtype = mx.float32
     # Multiply on the packed codes (``mx.quantized_matmul``) instead of dequantizing
@@ -155,13 +158,19 @@ class AffineCache(CompressedCache):
             return ks[0], vs[0]
         return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
 
+    def attention_slots(self) -> tuple[list[Slot], list[Slot]]:
+        """Key and value slots in token order: the codes, then the window."""
+        meta, packed = (self.n_bits, self.group_size), self.use_quantized_matmul
+        n_win = 0 if self.win_keys is None else self.win_keys.shape[2]
+        out = []
+        for part, win in ((self.qkeys, self.win_keys), (self.qvalues, self.win_values)):
+            out.append([Slot("token", part.arrays if part else [], self.n_q, meta, packed),
+                        Slot("dense", [] if win is None else [win], n_win)])
+        return out[0], out[1]
+
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
-        parts = []
-        if self.n_q:
-            parts.append((self.qkeys, self.qvalues))
-        if self.win_keys is not None:
-            parts.append((self.win_keys, self.win_values))
-        return split_attention(queries, parts, scale, mask, self.use_quantized_matmul)
+        keys, values = self.attention_slots()
+        return attend_parts(queries, slot_parts(keys), slot_parts(values), scale, mask)
 
     # ---- storage ----
     def held_arrays(self) -> list[mx.array]:

@@ -120,14 +120,18 @@ class CompressedCache(_BaseCache, ABC):
     # Capabilities.
     attends: ClassVar[bool] = False
     supports_batching: ClassVar[bool] = True
+    # Attention meets the stored keys/values only in dot products, so the builder may
+    # rotate them (``KVCacheConfig.rotate``, ``cache.rotated``).
+    rotatable: ClassVar[bool] = False
     meta_fields: ClassVar[tuple[str, ...]] = ("offset", "batch_size")
     # How a meta field is parsed back from its string (default: int).
     meta_types: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         self.config = config
-        self.opts = config.options
         self.layer = layer or LayerInfo()
+        # The layer's own options (``KVCacheConfig.layers`` overrides), saved or built.
+        self.opts = config.layer_options(self.layer.layer_idx)
         self.offset = 0
         self.batch_size = 0
 

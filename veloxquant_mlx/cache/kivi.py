@@ -13,10 +13,13 @@ precision (the residual of length R = ``window``), following the reference code:
   one token at a time as they leave it.
 
 As in the reference, a step attends over the new tokens in full precision and
-quantizes them afterwards (at the end of ``attend``). Attention dequantizes the
-codes into a transient tensor and runs the dense kernel: on the CPU this is faster
-than attending on the packed codes with ``mx.quantized_matmul`` (both measured,
-see docs/methods/kivi.md); ``use_quantized_matmul = True`` selects the latter.
+quantizes them afterwards (at the end of ``attend``). Attention reads the codes as
+parts (``ops.attention``): keys per channel (``ChannelCodes``), values per token with
+their scales applied to the probabilities (``TokenCodes``), the residual dense; no
+dequantized copy of the cache is built, prefill attends in bounded key blocks. The
+quantized values live in a buffer written in place (``ops.buffers``), so a decode step
+does not copy them. ``use_quantized_matmul = True`` multiplies the packed codes with
+``mx.quantized_matmul`` instead (slower on the CPU; docs/cpu-performance.md).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import mlx.core as mx
 
 from ..config import KVCacheConfig
 from ..ops import quantize as q
-from ..ops.attention import masked_softmax
+from ..ops.attention import Slot, attend_parts, slot_parts
+from ..ops.buffers import TokenBuffer
 from ..options import MethodOptions
 from ..registry import register
 from .base import CompressedCache, LayerInfo, require_group_divides
@@ -68,6 +72,7 @@ class KIVICache(CompressedCache):
     stores = "K per-channel / V per-token packed codes + fp residual window"
     Options = KIVIOptions
     attends = True
+    rotatable = True
     meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
     # Attend on the packed codes (mx.quantized_matmul) instead of a dequantized transient.
     use_quantized_matmul = False
@@ -78,11 +83,17 @@ class KIVICache(CompressedCache):
         self.group_size = self.opts.group_size
         self.window = self.opts.window
         self.qkeys: q.Quantized | None = None  # [B, H, D, Tk * bits / 32], packed along tokens
-        self.qvalues: q.Quantized | None = None  # [B, H, Tv, Dv * bits / 32]
+        self.vbuf = TokenBuffer()  # value codes, scales, biases: [B, H, Tv, ...]
         self.res_keys: mx.array | None = None
         self.res_values: mx.array | None = None
         self.compute_dtype = mx.float32
         require_group_divides(self.layer, self.group_size, self.method)
+
+    @property
+    def qvalues(self) -> q.Quantized | None:
+        """The quantized values ``[B, H, Tv, Dv * bits / 32]`` (views of the buffer)."""
+        used = self.vbuf.used()
+        return None if used is None else q.Quantized(*used, self.n_bits, self.group_size)
 
     # ---- storage ----
     def _flush(self) -> bool:
@@ -108,8 +119,7 @@ class KIVICache(CompressedCache):
             if n > R:
                 qv = q.quantize(self.res_values[:, :, : n - R].astype(mx.float32),
                                 self.n_bits, self.group_size)
-                self.qvalues = qv if self.qvalues is None else q.concat([self.qvalues, qv],
-                                                                        axis=2)
+                self.vbuf.append(qv.arrays)  # in place: a decode step copies nothing
                 self.res_values = self.res_values[:, :, n - R:]
                 if n - R > 1:
                     # The slice pins its parent (residual + chunk): copy it. A decode step
@@ -154,46 +164,34 @@ class KIVICache(CompressedCache):
             mx.eval(*self.held_arrays())
         return out
 
+    def attention_slots(self, packed: bool = False) -> tuple[list[Slot], list[Slot]]:
+        """Key slots and value slots (codes, then the residual) in token order; keys and
+        values are cut at different tokens."""
+        meta = (self.n_bits, self.group_size)
+        qk, qv = self.qkeys, self.qvalues
+        n_kq = 0 if qk is None else qk.scales.shape[-1] * self.group_size
+        n_vq = 0 if qv is None else qv.codes.shape[2]
+        out = []
+        for kind, part, n, res in (("channel", qk, n_kq, self.res_keys),
+                                   ("token", qv, n_vq, self.res_values)):
+            out.append([Slot(kind, part.arrays if part else [], n, meta, packed),
+                        Slot("dense", [] if res is None else [res],
+                             0 if res is None else res.shape[2])])
+        return out[0], out[1]
+
     def _attend_split(self, queries: mx.array, scale: float, mask: Any,
                       packed: bool = False) -> mx.array:
-        """Attention over the quantized part and the residual, kept apart.
-
-        Keys are held as [D, T] codes, so ``q @ K^T`` needs no transpose; values are
-        [T, Dv]. ``packed`` multiplies on the codes with ``mx.quantized_matmul``;
-        otherwise each part is dequantized into a transient and multiplied densely.
-        """
-        B, Hq, L, D = queries.shape
-        H = self.layer.n_kv_heads
-        dt = queries.dtype
-        qr = (queries * scale).reshape(B, H, Hq // H, L, D)
-
-        def qmatmul(x: mx.array, part: q.Quantized) -> mx.array:
-            if packed:
-                return mx.quantized_matmul(
-                    x, part.codes[:, :, None], part.scales[:, :, None].astype(dt),
-                    part.biases[:, :, None].astype(dt), transpose=False,
-                    group_size=part.group_size, bits=part.bits)
-            return x @ q.dequantize_unpacked(part, dt)[:, :, None]
-
-        scores = []
-        if self.qkeys is not None:
-            scores.append(qmatmul(qr, self.qkeys))
-        if self.res_keys is not None:
-            scores.append(qr @ self.res_keys.astype(dt)[:, :, None].swapaxes(-1, -2))
-        scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
-        probs = masked_softmax(scores, mask)
-        n_vq = 0 if self.qvalues is None else self.qvalues.codes.shape[2]
-        out = qmatmul(probs[..., :n_vq], self.qvalues) if n_vq else 0
-        if self.res_values is not None:
-            out = out + probs[..., n_vq:] @ self.res_values.astype(dt)[:, :, None]
-        return out.reshape(B, Hq, L, -1)
+        """Attention over the quantized part and the residual, kept apart (keys and
+        values are cut at different tokens: only the small scores are joined).
+        ``packed`` multiplies on the codes with ``mx.quantized_matmul``."""
+        keys, values = self.attention_slots(packed)
+        return attend_parts(queries, slot_parts(keys), slot_parts(values), scale, mask)
 
     # ---- accounting ----
     def held_arrays(self) -> list[mx.array]:
-        out = [self.res_keys, self.res_values]
-        for part in (self.qkeys, self.qvalues):
-            if part is not None:
-                out.extend(part.arrays)
+        out = [self.res_keys, self.res_values, *(self.vbuf.arrays or [])]
+        if self.qkeys is not None:
+            out.extend(self.qkeys.arrays)
         return [a for a in out if a is not None]
 
     def accounted_bytes(self) -> int:
@@ -202,10 +200,11 @@ class KIVICache(CompressedCache):
         n_kr = 0 if self.res_keys is None else self.res_keys.shape[2]
         n_vr = 0 if self.res_values is None else self.res_values.shape[2]
         itemsize = self.window_dtype(self.compute_dtype).size
-        n_kq, n_vq = self.offset - n_kr, self.offset - n_vr
-        # Keys: D channels, each a row of n_kq tokens; values: n_vq tokens of Dv each.
+        n_kq = self.offset - n_kr
+        # Keys: D channels, each a row of n_kq tokens; values: the buffer's token slots
+        # (the used ones and a reserve of about 3%), Dv each.
         key_q = D * q.quantized_bytes(n_kq, self.n_bits, self.group_size) if n_kq else 0
-        val_q = n_vq * q.quantized_bytes(Dv, self.n_bits, self.group_size)
+        val_q = self.vbuf.slots * q.quantized_bytes(Dv, self.n_bits, self.group_size)
         return B * H * (key_q + val_q + (n_kr * D + n_vr * Dv) * itemsize)
 
     # ---- save / restore ----
@@ -218,5 +217,4 @@ class KIVICache(CompressedCache):
         self.res_keys, self.res_values = v[0], v[1]
         self.qkeys = None if v[2] is None else q.Quantized(*v[2:5], self.n_bits,
                                                            self.group_size)
-        self.qvalues = None if v[5] is None else q.Quantized(*v[5:8], self.n_bits,
-                                                             self.group_size)
+        self.vbuf.load(None if v[5] is None else list(v[5:8]))

@@ -24,7 +24,7 @@ from ..ops.attention import sdpa
 from ..options import MethodOptions, config_error
 from ..registry import register
 from .base import CompressedCache, LayerInfo
-from .minicache_coordinator import MiniCacheCoordinator
+from .minicache_coordinator import MiniCacheCoordinator, keep_tokens
 
 RETENTION_RULES = ("fraction", "paper")
 
@@ -92,6 +92,7 @@ class MiniCacheCache(CompressedCache):
     cross_layer = True
     Options = MiniCacheOptions
     attends = True
+    rotatable = True
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -115,6 +116,14 @@ class MiniCacheCache(CompressedCache):
         self.keys: Any = None
         self.values: Any = None
         self._counters: tuple[int, ...] | None = None  # a loaded primary's pair counters
+
+    @classmethod
+    def tune_grid(cls, context: int) -> list[dict[str, Any]]:
+        # The paper's merge (from the middle layer on) alone (about 0.8 of fp16), then
+        # with the paper's quantization of every layer (8 to 2 bits), and merging from
+        # the first layer (every layer in a pair) for the smallest sizes.
+        return [{}, dict(bits=8), dict(bits=4), dict(bits=3), dict(bits=4, start_layer=0),
+                dict(bits=2), dict(bits=2, start_layer=0)]
 
     @classmethod
     def assign_roles(cls, layers: list[LayerInfo], config: KVCacheConfig, model: Any) -> None:
@@ -191,6 +200,23 @@ class MiniCacheCache(CompressedCache):
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         keys, values = self.dense_kv(queries.dtype)
         return sdpa(queries, keys, values, scale, mask)
+
+    # ---- trimming ----
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens; every kept token stays exactly as held (see
+        ``MiniCacheCoordinator.trim`` for merged pairs)."""
+        n = max(0, min(n, self.offset))
+        keep = self.offset - n
+        if self.paired:
+            self.layer.coordinator.trim(self.layer.group_id, keep)
+        else:
+            self.keys = keep_tokens(self.keys, keep)
+            self.values = keep_tokens(self.values, keep)
+        self.offset = keep
+        return n
 
     # ---- accounting ----
     def held_arrays(self) -> list[mx.array]:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
 from ..ops import quantize as q
+from .base import NotTrimmableError
 
 
 def slerp_merge(x0: mx.array, x1: mx.array, t: float
@@ -48,6 +50,38 @@ def slerp_merge(x0: mx.array, x1: mx.array, t: float
 
 def _cat(a: mx.array | None, b: mx.array, axis: int = 2) -> mx.array:
     return b if a is None else mx.concatenate([a, b], axis=axis)
+
+
+def keep_tokens(x: Any, n: int) -> Any:
+    """The first ``n`` tokens (axis 2) of an array, a pair of arrays or affine codes,
+    copied (a slice would pin the dropped ones); ``None`` when ``n`` is 0."""
+    if x is None or n == 0:
+        return None
+    if isinstance(x, tuple):
+        return tuple(keep_tokens(a, n) for a in x)
+    if isinstance(x, q.Quantized):
+        return q.Quantized(*(mx.contiguous(a[:, :, :n]) for a in x.arrays), x.bits,
+                           x.group_size)
+    return mx.contiguous(x[:, :, :n])
+
+
+def _cut_part(part: _Part, keep: int, cut: int) -> None:
+    """Drop merged tokens from ``keep`` on, and the ``cut`` retained ones among them."""
+    part.direction = keep_tokens(part.direction, keep)
+    part.magnitude = [mx.contiguous(m[..., :keep]) for m in part.magnitude]
+    idx = part.retained_idx
+    if idx is None or cut == 0:
+        return
+    held = idx.shape[-1] - cut
+    if held == 0:
+        part.retained, part.retained_idx = [None, None], None
+        return
+    # Each row's kept entries first (their order within the row does not matter).
+    order = mx.argsort((idx >= keep).astype(mx.int32), axis=-1)[..., :held]
+    part.retained_idx = mx.contiguous(mx.take_along_axis(idx, order, axis=-1))
+    gather = mx.broadcast_to(order[..., None], (*order.shape, part.retained[0].shape[-1]))
+    part.retained = [mx.contiguous(mx.take_along_axis(r, gather, axis=2))
+                     for r in part.retained]
 
 
 @dataclass
@@ -229,6 +263,50 @@ class MiniCacheCoordinator:
         # Fixed shape: every row keeps its r nearest tokens, a superset of its own set
         # (rows with fewer qualifying tokens keep a few extra exactly; bytes counted).
         return mx.argpartition(dist, kth=r - 1, axis=-1)[..., :r].astype(mx.int32)
+
+    # ---- trimming ----
+    def trim(self, pair_id: int, keep: int) -> None:
+        """Keep the pair's first ``keep`` tokens (both layers; the call of the pair's
+        other layer with the same ``keep`` finds nothing left to do).
+
+        Unmerged tokens are dropped from both windows; merged tokens are dropped from
+        the end of the store (directions and magnitudes are per token; retained tokens
+        beyond ``keep`` leave with them), so every kept token is held exactly as before.
+        A cut that would drop a different number of retained tokens from different
+        (batch, head) rows cannot keep the store's fixed shape: ``NotTrimmableError``.
+        """
+        s = self.store(pair_id)
+        if s.consumed_end != s.published_end:
+            raise NotTrimmableError(
+                f"MiniCache pair {pair_id}: trimmed between its two layers' updates "
+                "(finish the forward pass first)")
+        if keep >= s.published_end:
+            return
+        if keep >= s.n_merged:
+            for m in (0, 1):
+                s.pending[m] = keep_tokens(s.pending[m], keep - s.n_merged)
+        else:
+            cuts = [self._retained_cut(pair_id, part, keep) for part in (s.keys, s.values)]
+            for part, cut in zip((s.keys, s.values), cuts):
+                _cut_part(part, keep, cut)
+            s.pending = [None, None]
+            s.n_merged = keep
+        s.published_end = s.consumed_end = keep
+
+    @staticmethod
+    def _retained_cut(pair_id: int, part: _Part, keep: int) -> int:
+        """Retained tokens at or after ``keep`` in every row (the same count in each)."""
+        if part.retained_idx is None:
+            return 0
+        counts = (part.retained_idx >= keep).sum(axis=-1)
+        lo, hi = int(counts.min().item()), int(counts.max().item())
+        if lo != hi:
+            raise NotTrimmableError(
+                f"MiniCache pair {pair_id} is not trimmable back to token {keep}: that cut "
+                f"falls inside a merged block and would drop {lo} to {hi} retained tokens "
+                "from different heads (the store keeps one count per head); trim fewer "
+                "tokens (the unmerged window), or back to the start of that block")
+        return hi
 
     # ---- reading ----
     def reconstruct(self, pair_id: int, member: int, dtype: mx.Dtype

@@ -7,11 +7,15 @@ Hadamard transform, ``ops.rotation``); after rotation each coordinate is close t
 
 - ``quantizer="codebook"`` (the paper's): the Lloyd-Max codebook of ``N(0, 1)`` applied
   to ``x / (|x| / sqrt(d))``; a vector costs its float16 scale and ``bits`` per channel,
-  packed in bit planes (``ops.codebook``). Fractional widths (2.5, 3.5) give half the
-  channels one more bit.
+  packed in bytes for 1, 2 and 4 bits and in bit planes otherwise (``ops.codebook``).
+  Fractional widths (2.5, 3.5) give half the channels one more bit.
 - ``quantizer="affine"``: MLX's affine codes with one group per rotated vector (scale
-  and bias per vector); attention multiplies the packed codes directly
-  (``mx.quantized_matmul``), the fastest path on MLX.
+  and bias per vector).
+
+Attention reads the codes as parts (``ops.attention``): the codes as floats (a compiled
+select tree for the codebook, a byte view for affine codes) with the per-vector scales
+and biases applied to the small scores and probabilities; prefill attends in bounded
+key blocks.
 
 Queries are rotated the same way, so scores need no inverse; the attention output,
 computed over rotated values, is rotated back once per head (``out R^T``). The first
@@ -30,7 +34,7 @@ import mlx.core as mx
 from ..config import KVCacheConfig
 from ..ops import codebook as cb
 from ..ops import quantize as q
-from ..ops.attention import split_attention
+from ..ops.attention import Slot, attend_parts, slot_parts
 from ..ops.buffers import TokenBuffer
 from ..ops.rotation import random_rotation
 from ..options import MethodOptions, config_error
@@ -91,22 +95,31 @@ class _Codes:
         self.quantizer, self.bits, self.d = quantizer, bits, d
         self.buf = TokenBuffer()
         self.widths = tuple(cb.split_bits(bits, d)) if quantizer == "codebook" else ()
+        # Bytes decode without a gather; caches saved with bit planes load as planes.
+        self.packing = "bytes"
 
     def append(self, x: mx.array) -> None:
         if self.quantizer == "codebook":
-            c = cb.encode(x, self.bits)
+            c = cb.encode(x, self.bits, self.packing)
             self.buf.append(c.arrays)
         else:
             self.buf.append(q.quantize(x.astype(mx.float32), int(self.bits), self.d).arrays)
 
-    def part(self) -> Any:
-        """What attention reads: a dense transient (codebook) or packed codes (affine)."""
-        used = self.buf.used()
-        if used is None:
-            return None
+    def load(self, arrays: list[mx.array] | None) -> None:
+        """Adopt saved arrays; a byte-packable width saved as [.., g, bits] is planes."""
+        self.buf.load(arrays)
+        if arrays and self.quantizer == "codebook":
+            planes = any(a.ndim == 5 for a, (_, b) in zip(arrays, self.widths)
+                         if b in cb.BYTE_WIDTHS)
+            self.packing = "planes" if planes else "bytes"
+
+    def slot(self) -> Slot:
+        """What attention reads: the codes as a slot (``ops.attention``)."""
+        used = self.buf.used() or []
+        n = used[0].shape[2] if used else 0
         if self.quantizer == "codebook":
-            return cb.decode(cb.Coded(used[:-1], used[-1], self.widths))
-        return q.Quantized(*used, int(self.bits), self.d)
+            return Slot("coded", used, n, (self.widths, self.packing))
+        return Slot("token", used, n, (int(self.bits), self.d))
 
     def nbytes(self, tokens: int, batch_heads: int) -> int:
         if self.quantizer == "codebook":
@@ -211,18 +224,21 @@ class TurboQuantCache(CompressedCache):
         self.win = [mx.contiguous(x[:, :, n:]) for x in self.win] if rest else None
 
     # ---- attention ----
+    def attention_slots(self) -> tuple[list[Slot], list[Slot]]:
+        """Key slots and value slots in token order: sinks, codes, window (rotated)."""
+        out = []
+        for i, stream in enumerate(STREAMS):
+            out.append([Slot("dense", [] if fp is None else [fp[i]],
+                             0 if fp is None else fp[i].shape[2])
+                        for fp in (self.sinks, None, self.win)])
+            out[-1][1] = self.codes[stream].slot()
+        return out[0], out[1]
+
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         dt = queries.dtype
         qr = self._rotate(queries, self.rot_k)
-        parts = []
-        if self.sinks is not None:
-            parts.append(tuple(self.sinks))
-        coded = [self.codes[s].part() for s in STREAMS]
-        if coded[0] is not None:
-            parts.append(tuple(coded))
-        if self.win is not None:
-            parts.append(tuple(self.win))
-        out = split_attention(qr, parts, scale, mask, quantized_matmul=True)
+        keys, values = self.attention_slots()
+        out = attend_parts(qr, slot_parts(keys), slot_parts(values), scale, mask)
         if self.rot_v is not None:
             out = out @ self.rot_v.T
         self._flush()
@@ -233,10 +249,9 @@ class TurboQuantCache(CompressedCache):
         out = []
         for i, (stream, rot) in enumerate(zip(STREAMS, (self.rot_k, self.rot_v))):
             pieces = [] if self.sinks is None else [self.sinks[i].astype(mx.float32)]
-            part = self.codes[stream].part()
-            if part is not None:
-                pieces.append(q.dequantize(part, mx.float32)
-                              if isinstance(part, q.Quantized) else part)
+            slot = self.codes[stream].slot()
+            if slot.n:
+                pieces.append(slot.part().dense(0, slot.n, mx.float32))
             if self.win is not None:
                 pieces.append(self.win[i].astype(mx.float32))
             x = mx.concatenate(pieces, axis=2)
@@ -265,7 +280,7 @@ class TurboQuantCache(CompressedCache):
         self.sinks = list(v[0]) if v[0] else None
         self.win = list(v[1]) if v[1] else None
         for c, arrays in zip(self.codes.values(), v[2:4]):
-            c.buf.load(arrays)
+            c.load(arrays)
 
     def is_trimmable(self) -> bool:
         return True

@@ -1,49 +1,59 @@
 """``xkv``: cross-layer SVD of the KV cache (xKV, Chang et al., arXiv 2503.18893).
 
-Adjacent layers are grouped (``xkv_group_size`` = G). Each member's keys (before
-RoPE by default) and values are ``[b, S, D]`` matrices, D = n_kv_heads * head_dim.
-The group's first ``xkv_block`` tokens get one truncated SVD of the member
-concatenation ``[S, G*D]`` per stream (after per-column mean removal) through the
-model's shared ``XKVCoordinator``: a token factor ``A`` [S, r] shared by the group
-and a factor ``B_i`` [r, D] per member, ``X_i ~ A @ B_i + mean_i``.
+Adjacent layers are grouped (``group_layers`` = G). Each member's keys (before RoPE
+by default) and values are ``[b, S, D]`` matrices, D = n_kv_heads * head_dim. A
+*basis* is one truncated SVD of the member concatenation ``[S, G*D]`` per stream
+(after per-column mean removal), run by the model's shared ``XKVCoordinator``: a
+token factor ``A`` [S, r] shared by the group and a factor ``B_i`` [r, D] per member,
+``X_i ~ A @ B_i + mean_i``.
 
-Later tokens are projected onto the held member factors in steps of ``STEP``
-tokens (least squares over the whole group, solved once by the coordinator from
-per-member partials), so they cost only their shared token factor, ``r`` values
-per token per group. Each cache holds only: its member factors and means, a
-full-precision window of tokens not yet compressed, and (the group leader, member
-0, only) the shared token factors, so each is counted once per model.
+Which tokens get a basis (the paper fits one SVD to the whole prefill):
 
-Timeline: mlx_lm calls layers 0..L-1 in order. When a unit (the SVD block or a
-projection step) is complete, every member publishes it in the same forward pass;
-it stays in every member's window for that pass's attention and moves to factors
-right after the group's last member has attended (or on the member's next update),
-so the coordinator holds nothing between forward passes.
+- the first ``sink`` tokens are never compressed (attention sinks, kept as received);
+- prompt chunks (updates of ``STEP`` tokens or more) wait in the window; every complete
+  ``block`` of them gets its own basis, and at the end of the prompt (the next update
+  of fewer tokens) the rest gets one too when it is the first or at least half a block;
+- every other token (the prompt's short rest, decode tokens) is projected onto the
+  latest basis in steps of ``STEP`` (least squares over the whole group, solved once
+  by the coordinator from per-member partials): it costs only its shared token factor.
 
-Attention: values in factor space (``out = (p A) B_i + (sum p) mean_i``); keys
-stored after RoPE also (``scores = (q B_i^T) A``); keys stored before RoPE are
-rebuilt into a transient tensor and rotated for their positions.
+Each cache holds its sinks, a full-precision window of tokens not yet compressed,
+its member factors and means per basis, and (the group leader, member 0, only) the
+shared token factors, one row per token, so each is counted once per model.
+
+Timeline: mlx_lm calls layers 0..L-1 in order. When a unit (a basis block or a
+projection step) is complete, every member publishes it in the same forward pass; it
+stays in every member's window for that pass's attention and moves to factors right
+after the group's last member has attended (or at the member's next update), so the
+coordinator holds nothing between forward passes.
+
+Attention: values in factor space (``out = (p A) B_i + (sum p) mean_i``); keys stored
+after RoPE also (``scores = (q B_i^T) A^T + q mean_i``); keys stored before RoPE are
+rebuilt into a transient per basis and rotated for their positions. The token
+factors are decoded once per forward pass and group (the leader keeps the float32
+transient until the group's last member has attended).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
 from ..config import KVCacheConfig
+from ..ops import factors as fr
 from ..ops import quantize as q
 from ..ops.attention import masked_softmax
 from ..ops.rope import rotate, unrotate
 from ..options import MethodOptions, config_error
 from ..registry import register
-from .base import CompressedCache, LayerInfo
+from .base import CompressedCache, LayerInfo, NotTrimmableError
 from .xkv_coordinator import XKVCoordinator
 
 FACTOR_DTYPE = mx.float16  # unquantized factors and means are stored in float16
 STREAMS = ("keys", "values")
-STEP = 32  # tokens per projection step (and quantization group of the token factor)
+STEP = 32  # tokens per projection step; updates this long or longer are prompt chunks
 
 
 def _member_group(d: int) -> int:
@@ -52,29 +62,18 @@ def _member_group(d: int) -> int:
 
 
 def _store(x: mx.array, bits: int | None, group: int) -> Any:
-    """Keep a factor as float16, or quantized along its last axis."""
+    """Keep a member factor as float16, or quantized along its last axis."""
     if bits is None:
         return x.astype(FACTOR_DTYPE)
     return q.quantize(x.astype(mx.float32), bits, group)
 
 
 def _load(x: Any) -> mx.array:
-    if isinstance(x, q.Quantized):
-        return q.dequantize(x, mx.float32)
-    return x.astype(mx.float32)
+    return fr.load_rows(x)  # codes along the last axis, read through a byte view
 
 
 def _arrays(x: Any) -> list[mx.array]:
     return x.arrays if isinstance(x, q.Quantized) else [x]
-
-
-def _append(held: Any, part: Any) -> Any:
-    """Token factors [b, r, T] grow along their last (token) axis."""
-    if held is None:
-        return part
-    if isinstance(part, q.Quantized):
-        return q.concat_packed([held, part])
-    return mx.concatenate([held, part], axis=-1)
 
 
 def _bytes(n_values: int, bits: int | None, group: int) -> int:
@@ -89,22 +88,23 @@ class XKVOptions(MethodOptions):
 
     group_layers: adjacent layers sharing one SVD (G); rank_k / rank_v: ranks of the
     key / value factors (``None``: from ``energy_threshold``, the fraction of squared
-    singular mass kept); block: tokens of the group's basis block (one joint SVD),
-    later tokens are projected onto that basis in steps of 32; factor_bits: quantize
-    the factors (``None``: float16); pre_rope: compress keys before RoPE; grouping:
-    ``"contiguous"`` or ``"cka"`` (layers grouped by measured similarity); window:
-    recent tokens kept in full precision.
+    singular mass kept); block: most tokens of one basis (one joint SVD); factor_bits:
+    quantize the factors (``None``: float16); pre_rope: compress keys before RoPE
+    (``False``: after it, scored in factor space, faster); grouping: ``"contiguous"`` or
+    ``"cka"`` (layers grouped by measured similarity); window: recent tokens kept in
+    full precision; sink: first tokens kept in full precision (attention sinks).
     """
 
     group_layers: int = 4
     rank_k: int | None = None
     rank_v: int | None = None
     energy_threshold: float = 0.95
-    block: int = 1024
+    block: int = 2048
     factor_bits: int | None = None
     pre_rope: bool = True
     grouping: str = "contiguous"
     window: int = 0
+    sink: int = 4
 
     legacy_names = {"xkv_group_size": "group_layers"}
 
@@ -112,6 +112,7 @@ class XKVOptions(MethodOptions):
         self.check_int("group_layers", minimum=1)
         self.check_int("block", minimum=1)
         self.check_int("window", minimum=0)
+        self.check_int("sink", minimum=0)
         for name in ("rank_k", "rank_v"):
             self.check_int(name, minimum=1, optional=True)
             if getattr(self, name) is not None and getattr(self, name) > self.block:
@@ -120,61 +121,74 @@ class XKVOptions(MethodOptions):
         if self.energy_threshold == 0.0:
             raise self.error("energy_threshold", "a number in (0, 1]")
         self.check_int("factor_bits", q.AFFINE_BITS, optional=True)
-        if self.factor_bits is not None and self.block % STEP:
-            raise self.error("block", f"a multiple of {STEP} when factor_bits is set (the "
-                             f"token factor is quantized in groups of {STEP} tokens)")
         self.check_bool("pre_rope")
         self.check_choice("grouping", ("contiguous", "cka"))
 
 
+@dataclass
+class Basis:
+    """One SVD of the group: where its tokens start and this member's share of it."""
+
+    start: int
+    # stream -> (member factor [b, r, D] (padded rank when coded), mean [b, 1, D], rank)
+    parts: dict[str, tuple[Any, mx.array, int]] = field(default_factory=dict)
+
+
 @register
 class XKVCache(CompressedCache):
-    """One layer's share of a group's cross-layer SVD, plus a full-precision window."""
+    """One layer's share of a group's cross-layer SVDs, plus sinks and a window."""
 
     method = "xkv"
     family = "low-rank (cross-layer)"
     paper = "xKV, Chang et al., 2025 (arXiv 2503.18893)"
-    stores = "shared token factor per layer group + per-layer factors + fp window"
+    stores = "shared token factor per layer group + per-layer factors + fp sinks/window"
     cross_layer = True
     Options = XKVOptions
     attends = True
-    meta_fields = ("offset", "batch_size", "win_start")
+    rotatable = True
+    meta_fields = ("offset", "batch_size", "win_start", "n_sink")
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
         info, opts = self.layer, self.opts
         self.block = opts.block
         self.window = opts.window
+        self.sink = opts.sink
         self.factor_bits = opts.factor_bits
         self.ranks = {"keys": opts.rank_k, "values": opts.rank_v}
         self.pre_rope = opts.pre_rope and info.rope_dims is not None
         self.d_k = info.n_kv_heads * info.head_dim
         self.d_v = info.n_kv_heads * info.v_head_dim
         self._check_layer()
+        # A basis per later block only pays when a block holds at least twice the
+        # group's width (its member factors cost G*r*D; a block of n tokens, n*r):
+        # smaller blocks fit once and project the rest.
+        self.refit = self.block >= 2 * info.group_size * max(self.d_k, self.d_v)
         if info.coordinator is None:
             info.coordinator = XKVCoordinator(max_ctx=config.max_ctx)
         self.leader: XKVCache = self
         self.members: list[XKVCache] = [self]  # leader only: the group, in member order
+        self.sink_k: mx.array | None = None  # the first tokens, never compressed
+        self.sink_v: mx.array | None = None
+        self.n_sink = 0
         self.win_k: mx.array | None = None
         self.win_v: mx.array | None = None
-        self.win_start = 0  # position of the window's first token (= tokens compressed)
-        self.pending: list[tuple[int, int]] = []  # (start, n) published, not adopted
-        # Own member factor, mean and rank per stream, once the group's SVD is done.
-        self.basis: dict[str, tuple[Any, mx.array, int]] = {}
-        # Leader only: stream -> shared token factor of all compressed tokens [b, r, T].
-        self.shared: dict[str, Any] = {}
+        self.win_start = 0  # position of the window's first token
+        self.pending: list[tuple[str, int, int]] = []  # (kind, start, n) published
+        self.bases: list[Basis] = []
+        # Leader only: stream -> token factor rows [b, T_j, r_j] per basis.
+        self.shared: dict[str, list[Any]] = {s: [] for s in STREAMS}
         # Column means of a published, not yet adopted SVD block (tiny).
-        self.means: dict[str, mx.array] = {}
+        self.means: dict[tuple[str, int], mx.array] = {}
+        self.prompt = False  # the last update was a prompt chunk
         self.compute_dtype = mx.float32
+        # Leader only: decoded token factors of the forward pass in progress.
+        self._decoded: dict[tuple[str, int], mx.array] = {}
 
     def _check_layer(self) -> None:
+        # A rank above the group's width G*D keeps that width (every SVD is capped by
+        # it and by its tokens: see ``_unit_rank``), so one setting fits every model.
         info = self.layer
-        for name, d in (("rank_k", self.d_k), ("rank_v", self.d_v)):
-            rank = getattr(self.opts, name)
-            if rank is not None and rank > info.group_size * d:
-                raise config_error(
-                    name, rank, f"<= G*D = {info.group_size}*{d} = {info.group_size * d} "
-                    f"for the group of layer {info.layer_idx}", self.method)
         if self.factor_bits is not None:
             for d in (self.d_k, self.d_v):
                 if d % 32:
@@ -182,6 +196,16 @@ class XKVCache(CompressedCache):
                         "factor_bits", self.factor_bits,
                         f"None for layer {info.layer_idx}: its width D={d} is not a "
                         "multiple of 32, the smallest quantization group", self.method)
+
+    @classmethod
+    def tune_grid(cls, context: int) -> list[dict[str, Any]]:
+        # G=4, 4-bit factors (measured best at equal bytes) from about 12x to about 3x,
+        # one basis over the prompt; keys before RoPE (quality) or after it (speed).
+        grid = [dict(rank_k=r, rank_v=r, factor_bits=4, block=max(context, 1024))
+                for r in (128, 192, 256, 384, 512)]
+        grid += [dict(rank_k=r, rank_v=r, factor_bits=4, pre_rope=False,
+                      block=max(context, 1024)) for r in (256, 384)]
+        return grid
 
     @classmethod
     def assign_roles(cls, layers: list[LayerInfo], config: KVCacheConfig, model: Any) -> None:
@@ -211,13 +235,23 @@ class XKVCache(CompressedCache):
         self.compute_dtype = keys.dtype
         self._adopt()
         wdt = self.window_dtype(keys.dtype)
-        if self.win_k is None:
-            self.win_k, self.win_v = keys.astype(wdt), values.astype(wdt)
-        else:
-            self.win_k = mx.concatenate([self.win_k, keys.astype(wdt)], axis=2)
-            self.win_v = mx.concatenate([self.win_v, values.astype(wdt)], axis=2)
+        k, v = keys.astype(wdt), values.astype(wdt)
+        take = min(max(self.sink - self.n_sink, 0), k.shape[2])
+        if take:
+            # Copies: a kept slice would pin the whole chunk.
+            sk, sv = mx.contiguous(k[:, :, :take]), mx.contiguous(v[:, :, :take])
+            self.sink_k = sk if self.sink_k is None else mx.concatenate([self.sink_k, sk], 2)
+            self.sink_v = sv if self.sink_v is None else mx.concatenate([self.sink_v, sv], 2)
+            self.n_sink += take
+            self.win_start += take
+            k, v = k[:, :, take:], v[:, :, take:]
+        if k.shape[2]:
+            self.win_k = k if self.win_k is None else mx.concatenate([self.win_k, k], 2)
+            self.win_v = v if self.win_v is None else mx.concatenate([self.win_v, v], 2)
         self.offset += keys.shape[2]
-        self._publish()
+        big = keys.shape[2] >= STEP
+        self._publish(big)
+        self.prompt = big
         return keys, values
 
     def _matrices(self, start: int, n: int) -> dict[str, mx.array]:
@@ -235,76 +269,107 @@ class XKVCache(CompressedCache):
             out[stream] = x.transpose(0, 2, 1, 3).reshape(B, S, H * hd)
         return out
 
-    def _publish(self) -> None:
-        """Publish the SVD block, then every complete projection step beyond the
-        kept recent ``window``."""
-        info, coord = self.layer, self.layer.coordinator
-        nxt = self.win_start + sum(n for _, n in self.pending)
+    def _publish(self, big: bool) -> None:
+        """Publish complete basis blocks, the prompt's rest at its end, and (outside
+        prompt chunks) complete projection steps beyond the kept recent ``window``."""
+        nxt = self.win_start + sum(n for _, _, n in self.pending)
         ready = self.offset - self.window - nxt
-        if nxt == 0:
-            if ready < self.block:
-                return
-            for stream, x in self._matrices(0, self.block).items():
-                mean = x.mean(axis=1, keepdims=True)
-                self.means[stream] = mean
-                coord.publish_member_keys(info.group_id, info.member_idx, 0, self.block,
-                                          x - mean, stream=stream)
-            self.pending.append((0, self.block))
+        fitted = bool(self.bases) or any(k == "basis" for k, _, _ in self.pending)
+        while ready >= self.block and (self.refit or not fitted):
+            self._publish_basis(nxt, self.block)
+            nxt, ready, fitted = nxt + self.block, ready - self.block, True
+        if self.prompt and not big and ready >= STEP and \
+                (not fitted or (self.refit and 2 * ready >= self.block)):
+            self._publish_basis(nxt, ready)  # the end of the prompt: its rest
             return
-        if not self.basis:
-            return  # the basis is not adopted yet; project once it is
+        if (big and self.refit) or not self.bases or \
+                any(k == "basis" for k, _, _ in self.pending):
+            return  # prompt chunks wait for a block; a new basis is adopted first
         n = (ready // STEP) * STEP
-        if n <= 0:
-            return
-        for stream, x in self._matrices(nxt, n).items():
-            own, mean, _ = self.basis[stream]
+        if n > 0:
+            self._publish_projection(nxt, n)
+
+    def _publish_basis(self, start: int, n: int) -> None:
+        info, coord = self.layer, self.layer.coordinator
+        for stream, x in self._matrices(start, n).items():
+            mean = x.mean(axis=1, keepdims=True)
+            self.means[stream, start] = mean
+            coord.publish_member_keys(info.group_id, info.member_idx, start, n, x - mean,
+                                      stream=stream)
+        self.pending.append(("basis", start, n))
+
+    def _publish_projection(self, start: int, n: int) -> None:
+        info, coord = self.layer, self.layer.coordinator
+        basis = self.bases[-1]
+        for stream, x in self._matrices(start, n).items():
+            own, mean, _ = basis.parts[stream]
             b = _load(own)
-            coord.publish_projection(info.group_id, info.member_idx, nxt, n,
+            coord.publish_projection(info.group_id, info.member_idx, start, n,
                                      (x - mean.astype(mx.float32)) @ b.swapaxes(-1, -2),
                                      b @ b.swapaxes(-1, -2), stream=stream)
-        self.pending.append((nxt, n))
+        self.pending.append(("projection", start, n))
 
-    def _adopt(self, follow_up: bool = True) -> None:
-        """Move published units whose shared factor exists from the window to factors;
-        then (``follow_up``) publish what the adopted basis lets project."""
+    def _unit_rank(self, stream: str, n: int) -> int | None:
+        rank = self.ranks[stream]
+        d = self.d_k if stream == "keys" else self.d_v
+        return None if rank is None else min(rank, n, self.layer.group_size * d)
+
+    def _fetch(self, kind: str, start: int, n: int) -> dict[str, Any] | None:
+        """The coordinator's result of a published unit for both streams, or None."""
         info, coord = self.layer, self.layer.coordinator
+        got = {}
+        for stream in STREAMS:
+            if kind == "basis":
+                got[stream] = coord.get_shared_basis(
+                    info.group_id, start, info.group_size, self._unit_rank(stream, n),
+                    self.opts.energy_threshold, stream=stream)
+            else:
+                got[stream] = coord.get_projection(info.group_id, start, info.group_size,
+                                                   stream=stream)
+            if got[stream] is None:
+                if stream == "values":
+                    raise RuntimeError(
+                        f"xkv layer {info.layer_idx}: key factor of tokens {start} "
+                        "ready without its value factor")
+                return None
+        return got
+
+    def _adopt(self) -> None:
+        """Move published units whose shared factor exists from the window to factors."""
         while self.pending:
-            start, n = self.pending[0]
-            got = {}
-            for stream in STREAMS:
-                if start == 0:
-                    got[stream] = coord.get_shared_basis(
-                        info.group_id, 0, info.group_size, self.ranks[stream],
-                        self.opts.energy_threshold, stream=stream)
-                else:
-                    got[stream] = coord.get_projection(info.group_id, start,
-                                                       info.group_size, stream=stream)
-                if got[stream] is None:
-                    if stream == "values":
-                        raise RuntimeError(
-                            f"xkv layer {info.layer_idx}: key factor of tokens {start} "
-                            "ready without its value factor")
-                    return
-            for stream in STREAMS:
-                if start == 0:
+            kind, start, n = self.pending[0]
+            got = self._fetch(kind, start, n)
+            if got is None:
+                return
+            if kind == "basis":
+                basis = Basis(start)
+                for stream in STREAMS:
                     A, Bs, _ = got[stream]
-                    own = Bs[info.member_idx]
+                    own = Bs[self.layer.member_idx]
+                    width = fr.padded_rank(own.shape[-2], self.factor_bits)
+                    own = fr.pad_rank(own, width, -2)
                     d = own.shape[-1]
-                    self.basis[stream] = (_store(own, self.factor_bits, _member_group(d)),
-                                          self.means.pop(stream).astype(FACTOR_DTYPE),
-                                          own.shape[-2])
-                else:
-                    A = got[stream]
-                self.leader._share(stream, start, A)
+                    basis.parts[stream] = (
+                        _store(own, self.factor_bits, _member_group(d)),
+                        self.means.pop((stream, start)).astype(FACTOR_DTYPE), width)
+                    self.leader._share(stream, kind, start, A)
+                self.bases.append(basis)
+            else:
+                for stream in STREAMS:
+                    self.leader._share(stream, kind, start, got[stream])
             self.pending.pop(0)
+            self._drop_window(n)
+            mx.eval(*self.held_arrays())
+
+    def _drop_window(self, n: int) -> None:
+        """The window's first ``n`` tokens are compressed now."""
+        if n >= self.win_k.shape[2]:
+            self.win_k = self.win_v = None
+        else:
             # Copies (once per adopted unit): slices would pin the whole old window.
             self.win_k = mx.contiguous(self.win_k[:, :, n:])
             self.win_v = mx.contiguous(self.win_v[:, :, n:])
-            self.win_start += n
-            mx.eval(*self.held_arrays())
-        # A basis adopted just now lets tokens already in the window be projected.
-        if follow_up and self.basis and not self.pending:
-            self._publish()
+        self.win_start += n
 
     def _settle_group(self) -> None:
         """Every member adopts what the group published in this forward pass.
@@ -313,91 +378,127 @@ class XKVCache(CompressedCache):
         attended: the adoption each member's next update would do, done earlier (its
         state is not read in between), so the coordinator's raw blocks and projection
         partials and the adopted tokens' windows do not outlive the forward pass.
-        Follow-up units are left to the next update, as before.
         """
+        self.leader._decoded = {}
         for member in self.leader.members:
-            member._adopt(follow_up=False)
+            member._adopt()
 
-    def _share(self, stream: str, start: int, A: mx.array) -> None:
-        """Leader: append the group's token factor once (stored transposed [b, r, S])."""
-        held = self.shared.get(stream)
-        have = 0 if held is None else self._shared_tokens(stream)
+    def _share(self, stream: str, kind: str, start: int, A: mx.array) -> None:
+        """Leader: store the group's token factor rows of a unit once."""
+        segments = self.shared[stream]
+        have = self._compressed_end(stream)
         if start < have:
             return  # an earlier member of the group already stored it
         if start != have:
             raise RuntimeError(f"xkv group {self.layer.group_id}: token factor of tokens "
-                               f"{start}.. arrived after {have} tokens")
-        self.shared[stream] = _append(held, _store(A.swapaxes(-1, -2), self.factor_bits, STEP))
+                               f"{start}.. arrived after tokens up to {have}")
+        if kind == "basis":
+            rows = fr.store_rows(A, self.factor_bits)
+            segments.append(rows)
+        else:
+            width = fr.rows_width(segments[-1])
+            rows = fr.store_rows(fr.pad_rank(A, width, -1), self.factor_bits)
+            segments[-1] = fr.append_rows(segments[-1], rows)
+        self._decoded = {}
 
-    def _shared_tokens(self, stream: str) -> int:
-        f = self.shared[stream]
-        return f.scales.shape[-1] * f.group_size if isinstance(f, q.Quantized) \
-            else f.shape[-1]
+    def _compressed_end(self, stream: str) -> int:
+        """Leader: position after the last token with a shared token factor."""
+        return self.n_sink + sum(fr.rows_count(s) for s in self.shared[stream])
 
-    # ---- attention ----
-    def _factors(self, stream: str) -> tuple[mx.array, mx.array, mx.array]:
-        """Token factor [b, r, T] (compressed tokens only), member factor per KV head
-        [b, H, r, hd] and mean per head [b, H, 1, hd], float32."""
+    # ---- reading the factors ----
+    def _decoded_rows(self, stream: str, j: int) -> mx.array:
+        """Leader: basis ``j``'s token factor rows in float32, decoded once per pass."""
+        key = (stream, j)
+        if key not in self._decoded:
+            self._decoded[key] = fr.load_rows(self.shared[stream][j])
+        return self._decoded[key]
+
+    def _basis_parts(self, stream: str, cached: bool = False
+                     ) -> list[tuple[int, mx.array, mx.array, mx.array]]:
+        """Per basis with compressed tokens: its first position, the token factor rows
+        [b, n, r] of this member's compressed tokens, the member factor per KV head
+        [b, H, r, hd] and the mean per head [b, H, 1, hd], float32 transients."""
         H = self.layer.n_kv_heads
-        a = _load(self.leader.shared[stream])[..., :self.win_start]
-        own, mean, _ = self.basis[stream]
-        b = _load(own)
-        bh = b.reshape(b.shape[0], b.shape[1], H, -1).transpose(0, 2, 1, 3)
-        mh = mean.astype(mx.float32).reshape(b.shape[0], 1, H, -1).transpose(0, 2, 1, 3)
-        return a, bh, mh
+        out = []
+        for j, basis in enumerate(self.bases):
+            end = self.bases[j + 1].start if j + 1 < len(self.bases) else self.win_start
+            n = end - basis.start
+            if n <= 0:
+                continue
+            if cached:
+                a = self.leader._decoded_rows(stream, j)
+            else:
+                a = fr.load_rows(self.leader.shared[stream][j])
+            if a.shape[-2] != n:
+                a = a[..., :n, :]
+            own, mean, _ = basis.parts[stream]
+            b = _load(own)
+            bh = b.reshape(b.shape[0], b.shape[1], H, -1).transpose(0, 2, 1, 3)
+            mh = mean.astype(mx.float32).reshape(b.shape[0], 1, H, -1).transpose(0, 2, 1, 3)
+            out.append((basis.start, a, bh, mh))
+        return out
+
+    def _rebuilt_keys(self, start: int, a: mx.array, bh: mx.array, mh: mx.array) -> mx.array:
+        """Keys [b, H, n, hd] of one basis's tokens, rotated to their positions when
+        stored before RoPE (a transient)."""
+        k = a[:, None] @ bh + mh
+        if self.pre_rope:
+            info = self.layer
+            k = rotate(k, info.rope_dims, info.rope_base, info.rope_traditional,
+                       info.rope_scale, start)
+        return k
 
     def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
-        """Transient dense keys/values: the factors' tokens (keys rotated back to their
-        positions) followed by the window (layers that attend by themselves)."""
-        info, Tc = self.layer, self.win_start
-        ks, vs = [], []
-        if Tc:
-            ak, bk, mk = self._factors("keys")
-            k = ak.swapaxes(-1, -2)[:, None] @ bk + mk
-            if self.pre_rope:
-                k = rotate(k, info.rope_dims, info.rope_base, info.rope_traditional,
-                           info.rope_scale, 0)
-            av, bv, mv = self._factors("values")
-            ks.append(k)
-            vs.append(av.swapaxes(-1, -2)[:, None] @ bv + mv)
-        ks.append(self.win_k.astype(mx.float32))
-        vs.append(self.win_v.astype(mx.float32))
+        """Transient dense keys/values: sinks, the factors' tokens (keys rotated back to
+        their positions) and the window (layers that attend by themselves)."""
+        ks = [] if self.sink_k is None else [self.sink_k.astype(mx.float32)]
+        vs = [] if self.sink_v is None else [self.sink_v.astype(mx.float32)]
+        for (start, a, bh, mh), (_, av, bv, mv) in zip(self._basis_parts("keys"),
+                                                       self._basis_parts("values")):
+            ks.append(self._rebuilt_keys(start, a, bh, mh))
+            vs.append(av[:, None] @ bv + mv)
+        if self.win_k is not None:
+            ks.append(self.win_k.astype(mx.float32))
+            vs.append(self.win_v.astype(mx.float32))
         dtype = dtype or self.compute_dtype
         return (mx.concatenate(ks, axis=2).astype(dtype),
                 mx.concatenate(vs, axis=2).astype(dtype))
 
+    # ---- attention ----
     def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
         info = self.layer
-        dtype = queries.dtype
         B, Hq, L, hd = queries.shape
         H = info.n_kv_heads
-        rep = Hq // H
-        qh = (queries.astype(mx.float32) * scale).reshape(B, H, rep, L, hd)
-        win_k = self.win_k.astype(mx.float32)[:, :, None]
-        win_v = self.win_v.astype(mx.float32)[:, :, None]
-        Tc = self.win_start
-        scores_w = qh @ win_k.swapaxes(-1, -2)
-        if Tc:
-            ak, bk, mk = self._factors("keys")
+        qh = (queries.astype(mx.float32) * scale).reshape(B, H, Hq // H, L, hd)
+        key_parts = self._basis_parts("keys", cached=True)
+        value_parts = self._basis_parts("values", cached=True)
+        scores = []
+        if self.sink_k is not None:
+            scores.append(qh @ self.sink_k.astype(mx.float32)[:, :, None].swapaxes(-1, -2))
+        for start, a, bh, mh in key_parts:
             if self.pre_rope:
-                k = (ak.swapaxes(-1, -2)[:, None] @ bk + mk)  # [B, H, Tc, hd], transient
-                k = rotate(k, info.rope_dims, info.rope_base, info.rope_traditional,
-                           info.rope_scale, 0)
-                scores_c = qh @ k[:, :, None].swapaxes(-1, -2)
+                k = self._rebuilt_keys(start, a, bh, mh)
+                scores.append(qh @ k[:, :, None].swapaxes(-1, -2))
             else:
-                qb = qh @ bk[:, :, None].swapaxes(-1, -2)  # [B, H, rep, L, r]
-                scores_c = qb @ ak[:, None, None] + qh @ mk[:, :, None].swapaxes(-1, -2)
-            scores = mx.concatenate([scores_c, scores_w], axis=-1)
-        else:
-            scores = scores_w
-        p = masked_softmax(scores, mask)
-        out = p[..., Tc:] @ win_v
-        if Tc:
-            av, bv, mv = self._factors("values")
-            pc = p[..., :Tc]
-            out = out + (pc @ av.swapaxes(-1, -2)[:, None, None]) @ bv[:, :, None] \
-                + pc.sum(axis=-1, keepdims=True) * mv[:, :, None]
-        out = out.reshape(B, Hq, L, -1).astype(dtype)
+                scores.append(factor_scores(qh, a, bh, mh))
+        if self.win_k is not None:
+            scores.append(qh @ self.win_k.astype(mx.float32)[:, :, None].swapaxes(-1, -2))
+        sizes = [s.shape[-1] for s in scores]
+        p = masked_softmax(scores[0] if len(scores) == 1 else
+                           mx.concatenate(scores, axis=-1), mask)
+        dense = [x for x in (self.sink_v, self.win_v) if x is not None]
+        parts: list[Any] = ([dense.pop(0)] if self.sink_v is not None else []) + \
+            [(a, bh, mh) for _, a, bh, mh in value_parts] + dense
+        out, i = None, 0
+        for part, n in zip(parts, sizes):
+            pe = p[..., i:i + n]
+            if isinstance(part, tuple):
+                o = factor_values(pe, *part)
+            else:
+                o = pe @ part.astype(mx.float32)[:, :, None]
+            out = o if out is None else out + o
+            i += n
+        out = out.reshape(B, Hq, L, -1).astype(queries.dtype)
         if info.member_idx == info.group_size - 1:
             self._settle_group()
         return out
@@ -412,83 +513,164 @@ class XKVCache(CompressedCache):
 
     def held_arrays(self) -> list[mx.array]:
         out = self._coordinator_arrays()
-        out.extend(a for a in (self.win_k, self.win_v) if a is not None)
-        for own, mean, _ in self.basis.values():
-            out.extend(_arrays(own))
-            out.append(mean)
-        for factor in self.shared.values():
-            out.extend(_arrays(factor))
+        out.extend(a for a in (self.sink_k, self.sink_v, self.win_k, self.win_v)
+                   if a is not None)
+        for basis in self.bases:
+            for own, mean, _ in basis.parts.values():
+                out.extend(_arrays(own))
+                out.append(mean)
+        for segments in self.shared.values():
+            for rows in segments:
+                out.extend(fr.rows_arrays(rows))
         out.extend(self.means.values())
+        out.extend(self._decoded.values())
         return out
 
     def accounted_bytes(self) -> int:
         b = max(self.batch_size, 1)
-        total = 0
-        if self.win_k is not None:
-            total += self.win_k.nbytes + self.win_v.nbytes
-        for stream, d in (("keys", self.d_k), ("values", self.d_v)):
-            if stream in self.basis:
-                r = self.basis[stream][2]
+        total = sum(a.nbytes for a in (self.sink_k, self.sink_v, self.win_k, self.win_v)
+                    if a is not None)
+        for basis in self.bases:
+            for stream, (_, _, r) in basis.parts.items():
+                d = self.d_k if stream == "keys" else self.d_v
                 total += _bytes(b * r * d, self.factor_bits, _member_group(d)) + 2 * b * d
-            if stream in self.shared:
-                r = self.leader.basis[stream][2]
-                total += _bytes(b * r * self._shared_tokens(stream), self.factor_bits, STEP)
+        for segments in self.shared.values():
+            for rows in segments:
+                total += b * fr.rows_bytes(fr.rows_count(rows), fr.rows_width(rows),
+                                           self.factor_bits)
         total += sum(a.nbytes for a in self._coordinator_arrays())
+        total += sum(a.nbytes for a in self._decoded.values())
         return total + sum(m.nbytes for m in self.means.values())
+
+    # ---- trimming ----
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens: window tokens, then token factor rows (each row is
+        one token's, so the kept tokens are held exactly as before), then sinks. A
+        basis whose tokens are all dropped goes with them."""
+        n = max(0, min(n, self.offset))
+        keep = self.offset - n
+        if self.pending:
+            self._adopt()
+        if self.pending:
+            raise NotTrimmableError(
+                f"xkv layer {self.layer.layer_idx}: tokens published in an unfinished "
+                "forward pass (not every member of its group has run); finish the pass "
+                "before trimming")
+        if keep >= self.win_start:
+            held = keep - self.win_start
+            if self.win_k is not None and held < self.win_k.shape[2]:
+                self.win_k = mx.contiguous(self.win_k[:, :, :held]) if held else None
+                self.win_v = mx.contiguous(self.win_v[:, :, :held]) if held else None
+        else:
+            self.win_k = self.win_v = None
+            self._trim_compressed(keep)
+        self.offset = keep
+        self.leader._decoded = {}
+        if self.layer.member_idx == 0:
+            self.layer.coordinator.rewind(self.layer.group_id, self.win_start,
+                                          self.win_start - self.n_sink)
+        return n
+
+    def _trim_compressed(self, keep: int) -> None:
+        """Keep the compressed tokens (and sinks) before position ``keep``."""
+        if keep < self.n_sink:
+            self.sink_k = mx.contiguous(self.sink_k[:, :, :keep]) if keep else None
+            self.sink_v = mx.contiguous(self.sink_v[:, :, :keep]) if keep else None
+            self.n_sink = keep
+        while self.bases and self.bases[-1].start >= max(keep, self.n_sink):
+            self.bases.pop()
+            if self.layer.member_idx == 0:
+                for segments in self.shared.values():
+                    segments.pop()
+        if self.layer.member_idx == 0 and self.bases:
+            for segments in self.shared.values():
+                segments[-1] = fr.keep_rows(segments[-1], keep - self.bases[-1].start)
+        self.win_start = keep
 
     # ---- save / load ----
     @property
     def state(self):
-        arrays: list[Any] = [self.win_k, self.win_v]
-        for stream in STREAMS:
-            if stream in self.basis:
-                own, mean, _ = self.basis[stream]
+        arrays: list[Any] = [self.sink_k, self.sink_v, self.win_k, self.win_v]
+        for basis in self.bases:
+            for stream in STREAMS:
+                own, mean, _ = basis.parts[stream]
                 arrays.extend(_arrays(own))
                 arrays.append(mean)
-            if stream in self.shared:
-                arrays.extend(_arrays(self.shared[stream]))
+        for stream in STREAMS:
+            for rows in self.shared[stream]:
+                arrays.extend(fr.rows_arrays(rows))
         return arrays
 
     @state.setter
     def state(self, v) -> None:
         v = list(v)
-        self.win_k, self.win_v = v[0], v[1]
-        i = 2
+        self.sink_k, self.sink_v, self.win_k, self.win_v = v[:4]
+        i = 4
+        per = 1 if self.factor_bits is None else 3
 
-        def take(group):
+        def take() -> list[mx.array]:
             nonlocal i
-            if self.factor_bits is None:
-                i += 1
-                return v[i - 1]
-            i += 3
-            return q.Quantized(*v[i - 3:i], self.factor_bits, group)
+            i += per
+            return v[i - per:i]
 
-        for stream, d in (("keys", self.d_k), ("values", self.d_v)):
-            if stream in self.basis:
-                own = take(_member_group(d))
-                self.basis[stream] = (own, v[i], self.basis[stream][2])
+        for basis in self.bases:
+            for stream, d in (("keys", self.d_k), ("values", self.d_v)):
+                got = take()
+                own = got[0] if per == 1 else q.Quantized(*got, self.factor_bits,
+                                                          _member_group(d))
+                basis.parts[stream] = (own, v[i], basis.parts[stream][2])
                 i += 1
-            if stream in self.shared:
-                self.shared[stream] = take(STEP)
+        for stream in STREAMS:
+            self.shared[stream] = [fr.rows_from(take(), self.factor_bits)
+                                   for _ in self.shared[stream]]
 
     @property
     def meta_state(self):
-        ranks = ";".join(f"{s}:{self.basis[s][2]}" for s in STREAMS if s in self.basis)
-        shared = ";".join(s for s in STREAMS if s in self.shared)
-        return (*CompressedCache.meta_state.fget(self), ranks, shared)
+        bases = ";".join(f"{b.start}:{b.parts['keys'][2]}:{b.parts['values'][2]}"
+                         for b in self.bases)
+        return (*CompressedCache.meta_state.fget(self), bases,
+                str(len(self.shared["keys"])))
 
     @meta_state.setter
     def meta_state(self, v) -> None:
+        if len(v) != 6 or ":" in v[3]:
+            raise ValueError(
+                "xkv: this saved cache has the layout of an earlier veloxquant (one basis, "
+                "token factors coded along tokens); it cannot be loaded: build the "
+                "prompt cache again")
         CompressedCache.meta_state.fset(self, v)
         # Units published but not adopted are published again to the fresh coordinator.
-        self.pending, self.means = [], {}
-        self.basis = {}
-        for item in filter(None, v[3].split(";")):
-            stream, r = item.split(":")
-            self.basis[stream] = (None, None, int(r))
-        self.shared = {s: None for s in filter(None, v[4].split(";"))}
+        self.pending, self.means, self._decoded = [], {}, {}
+        self.bases = []
+        for item in filter(None, v[4].split(";")):
+            start, rk, rv = (int(x) for x in item.split(":"))
+            self.bases.append(Basis(start, {"keys": (None, None, rk),
+                                            "values": (None, None, rv)}))
+        self.shared = {s: [None] * int(v[5]) for s in STREAMS}
 
 
+def factor_scores(qh: mx.array, a: mx.array, bh: mx.array, mh: mx.array) -> mx.array:
+    """Scores ``q . (A B + m)`` of keys held as factors, in factor space.
+
+    ``qh`` [b, H, rep, L, hd] (scaled queries grouped by KV head), ``a`` [b, n, r],
+    ``bh`` [b, H, r, hd], ``mh`` [b, H, 1, hd]; returns [b, H, rep, L, n]. One matmul
+    of every query head against the token factor (shared by the heads).
+    """
+    B, H, rep, L, hd = qh.shape
+    qb = qh.reshape(B, H, rep * L, hd) @ bh.swapaxes(-1, -2)  # [b, H, rep*L, r]
+    s = qb.reshape(B, H * rep * L, -1) @ a.swapaxes(-1, -2)
+    return s.reshape(B, H, rep, L, -1) + qh @ mh[:, :, None].swapaxes(-1, -2)
+
+
+def factor_values(p: mx.array, a: mx.array, bh: mx.array, mh: mx.array) -> mx.array:
+    """``p @ (A B + m)`` in factor space: ``(p A) B + (sum p) m``, [b, H, rep, L, hd]."""
+    B, H, rep, L, n = p.shape
+    pa = p.reshape(B, H * rep * L, n) @ a  # [b, H*rep*L, r]
+    out = pa.reshape(B, H, rep * L, -1) @ bh
+    return out.reshape(B, H, rep, L, -1) + p.sum(axis=-1, keepdims=True) * mh[:, :, None]
 def _kv_shape(info: LayerInfo) -> tuple[int, int, int]:
     return (info.n_kv_heads, info.head_dim, info.v_head_dim)
 

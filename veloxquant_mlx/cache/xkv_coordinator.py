@@ -137,9 +137,7 @@ class XKVCoordinator:
                 f"group {group_id} {stream} at token_start={token_start}: the basis was "
                 f"already handed to all {expected_members} members"
             )
-        if isinstance(expected_members, bool) or not isinstance(expected_members, int) \
-                or expected_members < 1:
-            raise ValueError(f"expected_members={expected_members!r} must be an integer >= 1")
+        _check_expected(expected_members)
         entry = self._pending.get(key)
         if entry is None or len(entry["members"]) < expected_members:
             return None
@@ -150,11 +148,7 @@ class XKVCoordinator:
                 f"group {group_id}: member_idx {bad} out of range for a group of "
                 f"{expected_members} members (allowed 0..{expected_members - 1})"
             )
-        if not (isinstance(energy_threshold, (int, float))
-                and 0.0 < energy_threshold <= 1.0 and not math.isnan(energy_threshold)):
-            raise ValueError(
-                f"energy_threshold={energy_threshold!r} is not allowed: a number in (0, 1]"
-            )
+        _check_energy(energy_threshold)
         parts = [members[i] for i in range(expected_members)]
         shapes = {tuple(p.shape) for p in parts}
         if len(shapes) != 1:
@@ -255,6 +249,16 @@ class XKVCoordinator:
             )
         self._published[group_id] = total
 
+    def rewind(self, group_id: int, token_end: int, published: int) -> None:
+        """Forget what ``group_id`` published from ``token_end`` on (its caches were
+        trimmed): pending and memoized units starting there or later, so the same
+        ranges can be published again, and count ``published`` tokens for the group."""
+        for table in (self._pending, self._bases, self._proj):
+            for key in [k for k in table if k[-2] == group_id and k[-1] >= token_end]:
+                del table[key]
+        self._done = {k for k in self._done if not (k[-2] == group_id and k[-1] >= token_end)}
+        self._published[group_id] = published
+
     def published_tokens(self, group_id: int) -> int:
         """Total tokens the leader (member 0) of ``group_id`` has published."""
         return self._published.get(group_id, 0)
@@ -280,6 +284,20 @@ class XKVCoordinator:
         for t, _ in self._bases.values():
             total += sum(a.nbytes for a in (t if isinstance(t, tuple) else (t,)))
         return total
+
+
+def _check_expected(expected_members: int) -> None:
+    if isinstance(expected_members, bool) or not isinstance(expected_members, int) \
+            or expected_members < 1:
+        raise ValueError(f"expected_members={expected_members!r} must be an integer >= 1")
+
+
+def _check_energy(energy_threshold: float) -> None:
+    if not (isinstance(energy_threshold, (int, float))
+            and 0.0 < energy_threshold <= 1.0 and not math.isnan(energy_threshold)):
+        raise ValueError(
+            f"energy_threshold={energy_threshold!r} is not allowed: a number in (0, 1]"
+        )
 
 
 def _check_rank(group_id: int, rank: int | None, S: int, G: int, D: int) -> None:

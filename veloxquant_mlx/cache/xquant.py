@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..config import KVCacheConfig
+from ..ops import factors as fr
 from ..ops import quantize as q
 from ..options import MethodOptions, config_error
 from ..registry import register
@@ -98,6 +99,16 @@ class XQuantCache(CompressedCache):
         return config.options.latent
 
     @classmethod
+    def tune_grid(cls, context: int) -> list[dict[str, Any]]:
+        # From 8 down to 2 bits per cached value (about 0.53 to 0.15 of fp16 with the
+        # latent on GQA models); a window of 32 recent tokens costs little beyond 1k.
+        grid = [dict(bits=b, group_size=g) for b, g in
+                ((8, 64), (6, 64), (4, 64), (4, 32), (3, 64), (3, 32), (2, 32))]
+        if context >= 1024:
+            grid += [dict(bits=b, group_size=32, window=32) for b in (3, 2)]
+        return grid
+
+    @classmethod
     def after_build(cls, caches: list[CompressedCache], config: KVCacheConfig,
                     model: Any) -> None:
         if model is None or any(c.layer.attention is None for c in caches):
@@ -150,16 +161,31 @@ class XQuantCache(CompressedCache):
         self.offset += L
         return start
 
-    def update_x(self, x: mx.array, residual: mx.array | None,
-                 proj: Any) -> list[mx.array] | None:
+    def update_x(self, x: mx.array, residual: mx.array | None, proj: Any,
+                 joined: bool = True) -> Any:
         """Store the chunk's X; return the transient stored form of the earlier tokens.
 
         That is ``proj.encode``'s form (X, or its two latents) in float32 for tokens
-        ``[0, start)``, or ``None`` when the cache was empty.
+        ``[0, start)``, or ``None`` when the cache was empty. With ``joined=False``, a
+        list of segments ``(first position, parts)`` instead (the coded tokens, the
+        window), never joined into one full-size copy.
         """
         start = self._begin(x)
-        old = self._parts(mx.float32) if start else None
-        new = proj.encode(x)
+        segments = []
+        if start and self.codes is not None:
+            segments.append((0, [fr.load_rows(c) for c in self.codes]))
+        if start and self.win is not None:
+            segments.append((start - self.n_window(), [w.astype(mx.float32) for w in self.win]))
+        self._store(proj.encode(x))
+        if not joined:
+            return segments
+        if not segments:
+            return None
+        per_part = zip(*(parts for _, parts in segments))  # each stored part's pieces
+        return [p[0] if len(p) == 1 else mx.concatenate(p, axis=1) for p in per_part]
+
+    def _store(self, new: list[mx.array]) -> None:
+        """Append a chunk's stored form; what leaves the window is coded."""
         wdt = self.window_dtype(mx.float32)
         win = new if self.win is None else [
             mx.concatenate([w, n.astype(wdt)], axis=1) for w, n in zip(self.win, new)
@@ -178,7 +204,6 @@ class XQuantCache(CompressedCache):
             # cast). A decode step pins one token more than the window, no copy.
             win = [mx.contiguous(w) for w in win]
         self.win = win if win[0].shape[1] else None
-        return old
 
     def _parts(self, dtype: mx.Dtype) -> list[mx.array]:
         """Transient dequantized parts of every held token (codes, then window)."""
@@ -186,7 +211,7 @@ class XQuantCache(CompressedCache):
         for i in range(len(self.widths)):
             pieces = []
             if self.codes is not None:
-                pieces.append(q.dequantize(self.codes[i], dtype))
+                pieces.append(fr.load_rows(self.codes[i]).astype(dtype))
             if self.win is not None:
                 pieces.append(self.win[i].astype(dtype))
             out.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1))
@@ -289,6 +314,13 @@ class XQuantCLCache(XQuantCache):
         return False  # the deltas live on the residual stream, not in a K/V latent
 
     @classmethod
+    def tune_grid(cls, context: int) -> list[dict[str, Any]]:
+        # Delta bits from 4 down to 2 (the residual stream is wider than K and V
+        # together, so 4-bit deltas hold about 0.4 of fp16 and 2-bit about 0.23).
+        return [dict(bits=b, group_size=g, anchor_bits=a) for b, g, a in
+                ((4, 64, 8), (3, 64, 8), (3, 32, 8), (2, 64, 8), (2, 32, 8), (2, 32, 4))]
+
+    @classmethod
     def assign_roles(cls, layers: list, config: KVCacheConfig, model: Any) -> None:
         coord = XQuantCoordinator()
         coord.set_anchor(layers[0].layer_idx)
@@ -309,8 +341,8 @@ class XQuantCLCache(XQuantCache):
     # every layer, so nothing else can read its keys (the base class refuses).
     dense_kv = CompressedCache.dense_kv
 
-    def update_x(self, x: mx.array, residual: mx.array | None,
-                 proj: Any) -> list[mx.array] | None:
+    def update_x(self, x: mx.array, residual: mx.array | None, proj: Any,
+                 joined: bool = True) -> Any:
         if residual is None:
             raise RuntimeError(
                 f"xquant_cl layer {self.layer.layer_idx}: the block input was not tapped "
@@ -323,17 +355,18 @@ class XQuantCLCache(XQuantCache):
         h = residual.astype(mx.float32)
         if self.is_anchor:
             self._append(h)
-            acc = q.dequantize(self.codes[0])
+            acc = fr.load_rows(self.codes[0])
             self.coordinator.publish(self.layer.layer_idx, start, end, acc)
         else:
             prev = self.coordinator.read(self.layer.layer_idx, start, end)
             # Delta to the previous layer's reconstruction: its error is corrected here.
             self._append(h - prev[:, start:])
-            acc = prev + q.dequantize(self.codes[0])
+            acc = prev + fr.load_rows(self.codes[0])
             self.coordinator.pass_on(self.layer.layer_idx, acc)
         if not start:
-            return None
-        return [proj.normalize(acc[:, :start])]
+            return None if joined else []
+        old = [proj.normalize(acc[:, :start])]
+        return old if joined else [(0, old)]
 
     def _append(self, x: mx.array) -> None:
         new = q.quantize(x, self.n_bits, self.group_size)

@@ -165,23 +165,38 @@ class XProjection:
         w = self.widths[-1]
         return n_queries * w < w * self.n_kv_heads * self.v_dim + n_queries * self.v_dim
 
-    def attend(self, queries: mx.array, keys: mx.array, parts: list[mx.array],
+    def attend(self, queries: mx.array, segments: list[tuple[int, list[mx.array]]],
                scale: float, mask: Any) -> mx.array:
-        """Attention of RoPE'd ``queries`` over ``keys`` and the values held in ``parts``.
+        """Attention of RoPE'd ``queries`` over the tokens held in ``segments``: each is
+        ``(first position, stored form)`` of consecutive tokens (the coded tokens, the
+        window, the chunk itself), in order.
 
-        Where it pays, the values are never rematerialized: the probabilities multiply
-        the stored form ``Z`` first and the small factor ``R_v`` after, and the bias
-        passes through unchanged because each row of probabilities sums to one.
+        Where it pays, the segments are never joined and the values never
+        rematerialized: keys are rebuilt and rotated per segment, scores joined (small),
+        the probabilities multiply each segment's stored form ``Z`` first and the small
+        factor ``R_v`` once after, and the bias passes through unchanged because each
+        row of probabilities sums to one.
         """
         B, Hq, L, D = queries.shape
+        keys = [self.attn.rope(self.keys(parts), offset=start) for start, parts in segments]
         if not self.factored_pays(Hq * L):
-            return sdpa(queries, keys, self.values(parts), scale, mask)
-        H, S = keys.shape[1], keys.shape[2]
+            k = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
+            v = [self.values(parts) for _, parts in segments]
+            return sdpa(queries, k, v[0] if len(v) == 1 else mx.concatenate(v, axis=2),
+                        scale, mask)
+        H = keys[0].shape[1]
         rep = Hq // H
         q = (queries.astype(mx.float32) * scale).reshape(B, H, rep * L, D)
-        scores = (q @ keys.astype(mx.float32).swapaxes(-1, -2)).reshape(B, H, rep, L, S)
-        probs = masked_softmax(scores, mask)
-        mixed = probs.reshape(B, H * rep * L, S) @ parts[-1]
+        scores = [q @ k.astype(mx.float32).swapaxes(-1, -2) for k in keys]
+        sizes = [s.shape[-1] for s in scores]
+        scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
+        probs = masked_softmax(scores.reshape(B, H, rep, L, -1), mask)
+        probs = probs.reshape(B, H * rep * L, -1)
+        mixed, i = None, 0
+        for (_, parts), n in zip(segments, sizes):
+            part = probs[..., i:i + n] @ parts[-1]
+            mixed = part if mixed is None else mixed + part
+            i += n
         rv = self._value_factor()
         rv_heads = rv.reshape(rv.shape[0], H, self.v_dim).transpose(1, 0, 2)
         out = mixed.reshape(B, H, rep * L, -1) @ rv_heads
@@ -201,13 +216,12 @@ def _x_attention(attn: nn.Module, x: mx.array, residual: mx.array | None, cache:
     proj: XProjection = attn._xquant
     B, L, _ = x.shape
     queries = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
-    queries = attn.rope(queries, offset=cache.offset)
-    old = cache.update_x(x, residual, proj)  # the stored form of the earlier tokens
-    parts = proj.encode(x)  # the chunk itself attends with its exact X
-    if old is not None:
-        parts = [mx.concatenate([o, p], axis=1) for o, p in zip(old, parts)]
-    keys = attn.rope(proj.keys(parts))
-    out = proj.attend(queries, keys, parts, attn.scale, mask)
+    start = cache.offset
+    queries = attn.rope(queries, offset=start)
+    # The stored form of the earlier tokens, then the chunk itself with its exact X.
+    segments = cache.update_x(x, residual, proj, False)
+    segments.append((start, proj.encode(x)))
+    out = proj.attend(queries, segments, attn.scale, mask)
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 

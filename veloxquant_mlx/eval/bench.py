@@ -10,19 +10,35 @@ Memory: the real bytes the caches keep alive (MLX's allocator, after prefill and
 the decode steps) is the memory figure; the caches' declared ``held`` bytes, the
 fp16-equivalent, MLX's peak memory and the process RSS are beside it. The real figure
 is read at every repeat; ``real_spread_bytes`` (max - min over repeats) shows whether
-it is stable.
+it is stable. ``peak_over_base_bytes`` is MLX's peak minus what was alive before the
+caches were built (the weights): the caches plus every transient of prefill and decode.
+
+Roofline: a decode step reads every weight once and every byte the cache holds
+(``accounted_bytes``). If decode were bound by those bytes, a method could decode at most
+``(weights + dense KV) / (weights + method KV)`` times as fast as dense: the
+``roofline_limit`` column beside the measured ``decode_ratio`` (docs/cpu-performance.md).
+
+``profile_decode`` (``python -m veloxquant_mlx.eval.bench --profile``): where the time of
+one decode step goes, per method (whole step, the model without KV, attention, decoding
+the codes, building the graph in Python).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
-from .memory import CacheSource, measure_retained
+from ..builder import KVCacheBuilder
+from ..integration.mlx_lm import attention_routing
+from ..ops.attention import sdpa, slot_parts, split_attention
+from .memory import CacheSource, active_bytes, build_caches, measure_retained
 from .perplexity import Method, Spec, check_model_context, resolve_methods
 
 
@@ -36,16 +52,30 @@ def bench_once(model: nn.Module, tokens: Sequence[int], method: Method | CacheSo
                context: int, decode_steps: int, chunk: int = 512) -> dict[str, Any]:
     """One prefill + decode run through fresh caches; times and memory."""
     source = method.source if isinstance(method, Method) else method
+    KVCacheBuilder.detach(model)
+    base = active_bytes()
     mx.reset_peak_memory()
     out = measure_retained(model, source, tokens[:context], decode_steps, chunk,
                            decode_tokens=tokens[context:context + decode_steps])
+    peak = mx.get_peak_memory()
     out.update(
         prefill_tok_s=context / out["prefill_s"],
         decode_tok_s=decode_steps / out["decode_s"] if decode_steps else float("nan"),
-        peak_mem_bytes=mx.get_peak_memory(),
+        peak_mem_bytes=peak,
+        peak_over_base_bytes=peak - base,
         rss_bytes=_rss(),
     )
     return out
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters: what a decode step reads besides the KV cache."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def roofline_limit(weights: int, dense_kv: int, method_kv: int) -> float:
+    """Decode speed-up over dense if a step were bound by the bytes it reads."""
+    return (weights + dense_kv) / (weights + method_kv)
 
 
 def bench_methods(model: nn.Module, tokens: Sequence[int], specs: Sequence[Spec] | str,
@@ -75,9 +105,13 @@ def bench_methods(model: nn.Module, tokens: Sequence[int], specs: Sequence[Spec]
                                                 chunk))
                 bar.update(1)
         block = [_summarize(m, context, decode_steps, runs[m.label]) for m in methods]
+        weights = weight_bytes(model)
         for r in block:
             r["prefill_ratio"] = r["prefill_tok_s"] / block[0]["prefill_tok_s"]
             r["decode_ratio"] = r["decode_tok_s"] / block[0]["decode_tok_s"]
+            r["weight_bytes"] = weights
+            r["roofline_limit"] = roofline_limit(weights, block[0]["accounted_bytes"],
+                                                 r["accounted_bytes"])
         rows.extend(block)
     bar.close()
     return rows
@@ -109,6 +143,147 @@ def _summarize(method: Method, context: int, decode_steps: int,
         "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
         "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in runs),
+        "peak_over_base_bytes": max(r["peak_over_base_bytes"] for r in runs),
         "rss_bytes": max(r["rss_bytes"] for r in runs),
         "runs": runs,
     }
+
+
+# ------------------------------------------------------------------ decode profile
+def fill_caches(model: nn.Module, source: CacheSource, context: int,
+                chunk: int = 512) -> list[Any]:
+    """Caches of ``source`` holding ``context`` tokens of random keys/values (timings do not
+    depend on the values), filled in chunks, each chunk attended by one query as a step
+    would, so that methods which code after attention have coded it."""
+    caches = build_caches(model, source)
+    mx.random.seed(0)
+    for c in caches:
+        info = c.layer
+        q1 = mx.random.normal((1, info.n_kv_heads, 1, info.head_dim))
+        for start in range(0, context, chunk):
+            n = min(chunk, context - start)
+            c.update_and_fetch(mx.random.normal((1, info.n_kv_heads, n, info.head_dim)),
+                               mx.random.normal((1, info.n_kv_heads, n, info.v_head_dim)))
+            if getattr(c, "attends", False):
+                c.attend(q1, info.head_dim ** -0.5, None)
+            mx.eval(c.state)
+    return caches
+
+
+def _layer_attention(c: Any, q: mx.array) -> mx.array:
+    """One layer's decode attention alone: the cache's own, or mlx_lm's dense kernel."""
+    if getattr(c, "attends", False):
+        return c.attend(q, q.shape[-1] ** -0.5, None)
+    k, v = c.dense_kv()
+    return sdpa(q, k, v, q.shape[-1] ** -0.5)
+
+
+def _layer_codes(c: Any) -> list[mx.array]:
+    """One layer's codes as the floats its decode attention multiplies (nothing for dense
+    parts)."""
+    if not hasattr(c, "attention_slots"):
+        return []
+    keys, values = c.attention_slots()
+    return [f for p in slot_parts(keys) + slot_parts(values) for f in p.floats()]
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    mx.eval(fn())
+    return time.perf_counter() - t
+
+
+def _profile_round(model: nn.Module, caches: list[Any], token: mx.array,
+                   queries: list[mx.array]) -> dict[str, float]:
+    """One of each timing, in ms; the step's token is trimmed off again when possible."""
+    out = {"step_ms": _timed(lambda: model(token, cache=caches))}
+    t = time.perf_counter()
+    logits = model(token, cache=caches)
+    out["graph_ms"] = time.perf_counter() - t
+    mx.eval(logits)
+    for c in caches:
+        if c.is_trimmable():
+            c.trim(2)
+    out["no_kv_ms"] = _timed(lambda: model(token))
+    out["attention_ms"] = _timed(lambda: [_layer_attention(c, q)
+                                          for c, q in zip(caches, queries)])
+    # Layer by layer, as in a step (all layers' floats at once would be fresh memory).
+    out["codes_ms"] = sum(_timed(lambda c=c: _layer_codes(c)) for c in caches)
+    if not getattr(caches[0], "attends", False):  # dense keys through the shared kernel
+        out["shared_ms"] = _timed(lambda: [
+            split_attention(q, [c.dense_kv()], q.shape[-1] ** -0.5)
+            for c, q in zip(caches, queries)])
+    return {k: v * 1e3 for k, v in out.items()}
+
+
+def profile_decode(model: nn.Module, specs: Sequence[str], context: int,
+                   rounds: int = 10) -> list[dict[str, Any]]:
+    """Where one decode step's time goes at ``context`` tokens, per method (medians of
+    ``rounds`` interleaved rounds, ms): ``step_ms`` (a whole step), ``no_kv_ms`` (the
+    model on one token without a cache: weight matmuls, norms and per-op overhead),
+    ``attention_ms`` (every layer's attention alone), ``codes_ms`` (decoding every layer's
+    codes to floats alone, part of attention), ``graph_ms`` (building the step's lazy
+    graph in Python, part of the step)."""
+    methods = resolve_methods(list(specs))
+    caches = {m.label: fill_caches(model, m.source, context) for m in methods}
+    token = mx.array([[1]], dtype=mx.int32)
+    queries = [mx.random.normal((1, model.args.num_attention_heads, 1, c.layer.head_dim))
+               for c in caches[methods[0].label]]
+    runs: dict[str, list[dict[str, float]]] = {m.label: [] for m in methods}
+    with attention_routing(model):
+        for r in range(rounds + 1):  # the first round warms up (compiles kernels)
+            for m in methods[r % len(methods):] + methods[:r % len(methods)]:
+                one = _profile_round(model, caches[m.label], token, queries)
+                if r:
+                    runs[m.label].append(one)
+    rows = []
+    for m in methods:
+        row = {"method": m.label, "context": context}
+        row.update({k: statistics.median(x[k] for x in runs[m.label]) for k in runs[m.label][0]})
+        row["other_ms"] = row["step_ms"] - row["no_kv_ms"] - row["attention_ms"]
+        rows.append(row)
+    return rows
+
+
+PROFILE_COLUMNS = ("step_ms", "no_kv_ms", "attention_ms", "codes_ms", "other_ms", "graph_ms")
+
+
+def profile_markdown(rows: list[dict[str, Any]]) -> str:
+    """The profile as a Markdown table."""
+    cols = PROFILE_COLUMNS + (("shared_ms",) if any("shared_ms" in r for r in rows) else ())
+    lines = ["| method | context | " + " | ".join(cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [f"{r[k]:.1f}" if k in r else "-" for k in cols]
+        lines.append(f"| {r['method']} | {r['context']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m veloxquant_mlx.eval.bench --profile --context 4096 --methods ...``."""
+    p = argparse.ArgumentParser(prog="python -m veloxquant_mlx.eval.bench")
+    p.add_argument("--profile", action="store_true", help="profile one decode step")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--methods", default="none,affine:bits=4,kivi:bits=2,turboquant")
+    p.add_argument("--rounds", type=int, default=10)
+    args = p.parse_args(argv)
+    from ..models import load
+
+    model, _ = load()
+    rows = profile_decode(model, args.methods.split(";") if ";" in args.methods
+                          else _split_specs(args.methods), args.context, args.rounds)
+    print(profile_markdown(rows))
+
+
+def _split_specs(text: str) -> list[str]:
+    """``"none,affine:bits=4,group_size=32,kivi"`` -> one spec per method."""
+    from .perplexity import parse_specs
+
+    return [label for label, _ in parse_specs(text)]
+
+
+if __name__ == "__main__":
+    from ..integration.blas import ensure_fast_blas
+
+    ensure_fast_blas()
+    main()

@@ -58,7 +58,9 @@ BENCH_COLUMNS = [
     ("prefill/dense", "prefill_ratio", lambda v: _fmt(v, 2)),
     ("decode tok/s", "decode_tok_s", lambda v: _fmt(v, 1)),
     ("decode/dense", "decode_ratio", lambda v: _fmt(v, 2)),
+    ("roofline limit", "roofline_limit", lambda v: _fmt(v, 2)),
     ("MLX peak MiB", "peak_mem_bytes", _mib),
+    ("peak over base MiB", "peak_over_base_bytes", _mib),
     ("RSS MiB", "rss_bytes", _mib),
 ]
 
@@ -156,7 +158,29 @@ def run_sweep(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
     tokens = encode(tokenizer, text)
     speed = bench_methods(model, tokens, specs, p["contexts"], p["decode_steps"],
                           p["repeats"], chunk, progress=progress)
-    # Memory at the quality context: measured by bench already when it is one of its own.
+    # windows=0: speed and memory only (the quality part is skipped).
+    quality = {"rows": [], "pairs": []} if p["windows"] == 0 else _quality(
+        model, tokenizer, specs, p, tokens, speed, seed, chunk, progress)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record = run_record(argv, seed=seed, params=p, text=text_path or "stdlib docstrings",
+                        quality=quality["rows"], pairs=quality["pairs"], speed=speed)
+    write_json(out / "bench.json", record)
+    record["files"] = {"json": str(out / "bench.json"), "md": str(out / "bench.md"),
+                       "png": "(no plot: quality skipped)"}
+    png_name = None
+    if quality["rows"]:
+        png = plot_tradeoff(quality["rows"], out / "bench.png",
+                            title=f"real memory vs quality (context {p['eval_context']})")
+        png_name, record["files"]["png"] = png.name, str(png)
+    (out / "bench.md").write_text(sweep_markdown(record, png_name))
+    return record
+
+
+def _quality(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
+             p: dict[str, Any], tokens: list[int], speed: list[dict[str, Any]], seed: int,
+             chunk: int, progress: bool) -> dict[str, Any]:
+    """The quality part of a sweep; memory borrowed from bench at a shared context."""
     shared = p["eval_context"] in p["contexts"]
     quality = evaluate_quality(model, tokenizer, specs, p["eval_context"], p["predict"],
                                p["windows"], tokens=tokens, seed=seed, chunk=chunk,
@@ -165,40 +189,31 @@ def run_sweep(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
                                progress=progress)
     if shared:
         _borrow_memory(quality["rows"], speed, p["eval_context"])
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    record = run_record(argv, seed=seed, params=p, text=text_path or "stdlib docstrings",
-                        quality=quality["rows"], pairs=quality["pairs"], speed=speed)
-    write_json(out / "bench.json", record)
-    png = plot_tradeoff(quality["rows"], out / "bench.png",
-                        title=f"real memory vs quality (context {p['eval_context']})")
-    (out / "bench.md").write_text(sweep_markdown(record, png.name))
-    record["files"] = {"json": str(out / "bench.json"), "md": str(out / "bench.md"),
-                       "png": str(png)}
-    return record
+    return quality
 
 
-def sweep_markdown(record: dict[str, Any], png_name: str = "bench.png") -> str:
-    """The Markdown report of a sweep record."""
+def sweep_markdown(record: dict[str, Any], png_name: str | None = "bench.png") -> str:
+    """The Markdown report of a sweep record (no quality part when it was skipped)."""
     p = record["params"]
-    return "\n".join([
-        f"Command: `{record['command']}`",
-        "",
-        f"Quality: context {p['eval_context']}, {p['predict']} predicted tokens x "
-        f"{p['windows']} window(s), seed {record['seed']}; 95% intervals: paired bootstrap "
-        f"over blocks of {p['block']} tokens ({p['n_boot']} resamples).",
-        "",
-        markdown_table(record["quality"], EVAL_COLUMNS),
-        "",
+    out = [f"Command: `{record['command']}`", ""]
+    if record["quality"]:
+        out += [
+            f"Quality: context {p['eval_context']}, {p['predict']} predicted tokens x "
+            f"{p['windows']} window(s), seed {record['seed']}; 95% intervals: paired "
+            f"bootstrap over blocks of {p['block']} tokens ({p['n_boot']} resamples).",
+            "", markdown_table(record["quality"], EVAL_COLUMNS), ""]
+    out += [
         f"Speed and memory: {p['decode_steps']} decode steps, median of {p['repeats']} "
         "interleaved repeats. real = bytes MLX's allocator keeps alive for the caches "
-        "(after prefill / after the decode steps); declared = cache_stats held bytes.",
-        "",
-        markdown_table(record["speed"], BENCH_COLUMNS),
-        "",
-        f"![real memory vs quality]({png_name})",
-        "",
-    ])
+        "(after prefill / after the decode steps); declared = cache_stats held bytes; "
+        "MLX peak = mx.get_peak_memory() over prefill and decode, peak over base = the "
+        "same minus what was alive before (the weights); roofline limit = (weights + "
+        "dense KV bytes) / (weights + method KV bytes), the decode/dense a step bound by "
+        "the bytes it reads would reach (docs/cpu-performance.md).",
+        "", markdown_table(record["speed"], BENCH_COLUMNS), ""]
+    if png_name:
+        out += [f"![real memory vs quality]({png_name})", ""]
+    return "\n".join(out)
 
 
 def write_eval_outputs(record: dict[str, Any], json_path: str | None,

@@ -11,11 +11,18 @@ byte holding bit ``j`` of their 8 codes. Any width 1..8 then costs exactly ``b``
 coordinate, and a head dimension only needs to be a multiple of 8. Fractional widths
 (2.5, 3.5 bits) give the first half of the channels one bit more than the second half
 (after rotation no channel is special).
+
+``packing="bytes"`` packs widths 1, 2 and 4 as MLX does (code of coordinate ``per * j + k``
+in bits ``k * b`` of byte ``j``, ``per = 8 // b``), at the same cost; other widths stay in
+planes. Byte-packed codes decode without a gather (:func:`centroid_phases`): on the CPU
+a per-element gather ``centroids[codes]`` is the slowest step of a decode (measured
+about 4x slower than a compiled select tree over the code bits).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -23,6 +30,8 @@ import mlx.core as mx
 import numpy as np
 
 MAX_BITS = 4
+BYTE_WIDTHS = (1, 2, 4)  # widths that byte packing takes (codes never straddle a byte)
+PACKINGS = ("planes", "bytes")
 _SHIFTS = mx.arange(8, dtype=mx.uint8)
 
 
@@ -91,13 +100,36 @@ def unpack_planes(planes: mx.array) -> mx.array:
     return (b * weights).sum(axis=-2).astype(mx.uint8).reshape(*lead, g * 8)
 
 
+def pack_bytes(codes: mx.array, bits: int) -> mx.array:
+    """``[..., n]`` codes (< 2^bits, ``bits`` in 1, 2, 4) -> ``[..., n * bits // 8]`` uint8,
+    the code of element ``per * j + k`` in bits ``k * bits`` of byte ``j``."""
+    *lead, n = codes.shape
+    per = 8 // bits
+    c = codes.astype(mx.uint8).reshape(*lead, n // per, per)
+    shifts = mx.arange(0, 8, bits, dtype=mx.uint8)
+    return (c << shifts).sum(axis=-1).astype(mx.uint8)  # disjoint bits: sum == or
+
+
+def unpack_bytes(packed: mx.array, bits: int) -> mx.array:
+    """Inverse of :func:`pack_bytes`: ``[..., m]`` uint8 -> ``[..., m * 8 // bits]`` uint8."""
+    shifts = mx.arange(0, 8, bits, dtype=mx.uint8)
+    c = (packed[..., None] >> shifts) & ((1 << bits) - 1)
+    return c.reshape(*packed.shape[:-1], -1)
+
+
+def packed_in_bytes(packing: str, bits: int) -> bool:
+    """Whether a channel part of width ``bits`` is byte-packed under ``packing``."""
+    return packing == "bytes" and bits in BYTE_WIDTHS
+
+
 @dataclass
 class Coded:
     """Vectors stored as a float16 scale per vector and packed codes per channel part."""
 
-    parts: list[mx.array]  # per channel part: [..., n_i // 8, bits_i] uint8 planes
+    parts: list[mx.array]  # per channel part: [..., n_i // 8, bits_i] planes or bytes
     scales: mx.array  # [..., 1] float16: norm / sqrt(d)
     widths: tuple[tuple[int, int], ...]  # (channels, bits) per part
+    packing: str = "planes"
 
     @property
     def arrays(self) -> list[mx.array]:
@@ -108,9 +140,11 @@ def _centroids(bits: int) -> mx.array:
     return mx.array(lloyd_max(bits)[0], dtype=mx.float32)
 
 
-def encode(x: mx.array, bits: float) -> Coded:
+def encode(x: mx.array, bits: float, packing: str = "planes") -> Coded:
     """Code rotated vectors ``x [..., d]`` with the Lloyd-Max codebook (``bits`` 1..4,
     halves allowed). The scale is ``|x| / sqrt(d)``, so ``x / scale`` is ~N(0, 1)."""
+    if packing not in PACKINGS:
+        raise ValueError(f"packing={packing!r}: one of {PACKINGS}")
     d = x.shape[-1]
     x = x.astype(mx.float32)
     scale = mx.sqrt(mx.mean(x * x, axis=-1, keepdims=True))
@@ -120,14 +154,63 @@ def encode(x: mx.array, bits: float) -> Coded:
     for n, b in widths:
         t = mx.array(lloyd_max(b)[1], dtype=mx.float32)
         codes = (z[..., start:start + n, None] > t).sum(axis=-1)
-        parts.append(pack_planes(codes, b))
+        parts.append(pack_bytes(codes, b) if packed_in_bytes(packing, b)
+                     else pack_planes(codes, b))
         start += n
-    return Coded(parts, scale.astype(mx.float16), widths)
+    return Coded(parts, scale.astype(mx.float16), widths, packing)
+
+
+@cache
+def _centroid_kernel(bits: int, per: int) -> Callable[[mx.array], list[mx.array]]:
+    """Compiled: bytes holding ``per`` codes each -> ``per`` float32 centroid arrays.
+
+    A select tree over the code bits (``2^bits - 1`` selects between constants) instead
+    of a gather: the same values, several times faster on the CPU.
+    """
+    values = lloyd_max(bits)[0]
+    mask = (1 << bits) - 1
+
+    def phases(u8: mx.array) -> list[mx.array]:
+        out = []
+        for k in range(per):
+            c = (u8 >> (k * bits)) & mask
+            level = [mx.array(v, dtype=mx.float32) for v in values]
+            for j in range(bits):
+                bit = ((c >> j) & 1).astype(mx.bool_)
+                level = [mx.where(bit, level[i + 1], level[i]) for i in range(0, len(level), 2)]
+            out.append(level[0])
+        return out
+
+    return mx.compile(phases, shapeless=True)
+
+
+def centroid_phases(c: Coded) -> list[tuple[mx.array, int, int]]:
+    """The centroids of ``c`` (scales not applied) as ``(values, first, stride)`` float32
+    arrays ``[..., w]``: ``values[..., j]`` is channel ``first + stride * j``.
+
+    Byte-packed parts give one array per position in a byte; plane-packed parts are
+    unpacked to codes first (one array in channel order).
+    """
+    out, start = [], 0
+    for p, (n, b) in zip(c.parts, c.widths):
+        if packed_in_bytes(c.packing, b):
+            per = 8 // b
+            out += [(a, start + k, per) for k, a in enumerate(_centroid_kernel(b, per)(p))]
+        else:
+            out.append((_centroid_kernel(b, 1)(unpack_planes(p))[0], start, 1))
+        start += n
+    return out
 
 
 def decode(c: Coded, dtype: mx.Dtype = mx.float32) -> mx.array:
     """Dequantized vectors ``[..., d]`` (a transient: the stored form stays packed)."""
-    pieces = [_centroids(b)[unpack_planes(p)] for p, (_, b) in zip(c.parts, c.widths)]
+    pieces = []
+    for p, (_, b) in zip(c.parts, c.widths):
+        if packed_in_bytes(c.packing, b):
+            phases = _centroid_kernel(b, 8 // b)(p)
+            pieces.append(mx.stack(phases, axis=-1).reshape(*p.shape[:-1], -1))
+        else:
+            pieces.append(_centroid_kernel(b, 1)(unpack_planes(p))[0])
     z = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
     return (z * c.scales.astype(mx.float32)).astype(dtype)
 

@@ -1,0 +1,179 @@
+"""How an eviction cache stores the keys and values it keeps: dense, affine or codebook.
+
+Eviction (SnapKV, StreamingLLM) decides *which* tokens stay; a store decides *how* they
+are held, so the two stack: ``snapkv:capacity=512,store=codebook,k_bits=3,v_bits=3``.
+
+- ``"dense"``: the window dtype (float16 by default), as the methods always did;
+- ``"affine"``: MLX affine codes per token, in groups of ``group_size`` channels
+  (``ops.quantize``); attention multiplies them without a dequantized copy where it
+  can (``ops.attention.split_attention``);
+- ``"codebook"``: TurboQuant's Lloyd-Max codes of rotated vectors with a float16 norm
+  per vector (``ops.codebook``), 1-4 bits in halves. The codes assume rotated vectors,
+  so the builder rotates a cache with this store (``cache.rotated``).
+
+Every stored form is per token, so a block of tokens is a flat list of arrays with the
+token on axis 2 (the keys' arrays, then the values'), and slicing, gathering and
+writing a slot are exact on any of them: kept tokens are never coded twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..ops import codebook as cb
+from ..ops import quantize as q
+from ..ops.buffers import TokenBuffer
+
+STORES = ("dense", "affine", "codebook")
+CODEBOOK_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4)
+Block = list[mx.array]
+
+
+def check_store_options(opts: Any) -> None:
+    """The ``store``, ``k_bits``, ``v_bits`` and ``group_size`` fields of an eviction
+    method's options (``MethodOptions`` checks; bits only matter for a quantized store)."""
+    opts.check_choice("store", STORES)
+    opts.check_int("group_size", q.AFFINE_GROUP_SIZES)
+    allowed = q.AFFINE_BITS if opts.store == "affine" else CODEBOOK_BITS
+    for name in ("k_bits", "v_bits"):
+        value = getattr(opts, name)
+        if opts.store != "dense" and (isinstance(value, bool) or value not in allowed):
+            raise opts.error(name, f"one of {list(allowed)} for store={opts.store!r}")
+
+
+def make_store(opts: Any, k_dim: int, v_dim: int, dtype: mx.Dtype, where: str
+               ) -> TokenStore:
+    """The options' store for a layer, or a ``ConfigError`` naming what does not fit."""
+    for name, d in (("head_dim", k_dim), ("v_head_dim", v_dim)):
+        if opts.store == "affine" and d % opts.group_size:
+            raise opts.error("group_size", f"a divisor of {name}={d} of {where}")
+        if opts.store == "codebook":
+            try:
+                for bits in (opts.k_bits, opts.v_bits):
+                    cb.split_bits(bits, d)
+            except ValueError as exc:
+                raise opts.error("store", f"'affine' or 'dense' for {where}: {exc}") from None
+            if d % 8:
+                raise opts.error("store", f"'affine' or 'dense' for {where}: codebook codes "
+                                 f"need {name}={d} to be a multiple of 8")
+    return TokenStore(opts.store, opts.k_bits, opts.v_bits, opts.group_size, k_dim, v_dim,
+                      dtype)
+
+
+class TokenStore:
+    """The stored form of keys (``k_dim`` wide) and values (``v_dim`` wide)."""
+
+    def __init__(self, kind: str, k_bits: float, v_bits: float, group_size: int,
+                 k_dim: int, v_dim: int, dtype: mx.Dtype) -> None:
+        self.kind, self.dtype, self.group_size = kind, dtype, group_size
+        self.bits = (k_bits, v_bits)
+        self.dims = (k_dim, v_dim)
+        if kind == "codebook":
+            self.widths = [tuple(cb.split_bits(b, d)) for b, d in zip(self.bits, self.dims)]
+        per = {"dense": [1, 1], "affine": [3, 3],
+               "codebook": [len(w) + 1 for w in getattr(self, "widths", [(), ()])]}
+        self.n_k = per[kind][0]  # arrays of the keys in a block
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "dense"
+
+    def encode(self, keys: mx.array, values: mx.array) -> Block:
+        """``[B, H, T, D]`` keys and values in the stored form."""
+        if self.kind == "dense":
+            return [keys.astype(self.dtype), values.astype(self.dtype)]
+        out: Block = []
+        for x, bits in zip((keys, values), self.bits):
+            x = x.astype(mx.float32)
+            if self.kind == "affine":
+                out.extend(q.quantize(x, int(bits), self.group_size).arrays)
+            else:
+                out.extend(cb.encode(x, bits).arrays)
+        return out
+
+    def _split(self, block: Block) -> tuple[Block, Block]:
+        return block[:self.n_k], block[self.n_k:]
+
+    def parts(self, block: Block, dtype: mx.Dtype) -> tuple[Any, Any]:
+        """Keys and values as ``split_attention`` takes them (affine codes stay packed)."""
+        out = []
+        for i, arrays in enumerate(self._split(block)):
+            if self.kind == "dense":
+                out.append(arrays[0])
+            elif self.kind == "affine":
+                out.append(q.Quantized(*arrays, int(self.bits[i]), self.group_size))
+            else:
+                out.append(cb.decode(cb.Coded(arrays[:-1], arrays[-1], self.widths[i]),
+                                     dtype))
+        return out[0], out[1]
+
+    def decode(self, block: Block, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """A transient dense copy of the block's keys and values."""
+        k, v = self.parts(block, dtype)
+        return tuple(q.dequantize(x, dtype) if isinstance(x, q.Quantized) else x.astype(dtype)
+                     for x in (k, v))
+
+    def token_bytes(self) -> int:
+        """Bytes of one token of one head (keys and values)."""
+        total = 0
+        for bits, d in zip(self.bits, self.dims):
+            if self.kind == "dense":
+                total += d * self.dtype.size
+            elif self.kind == "affine":
+                total += q.quantized_bytes(d, int(bits), self.group_size)
+            else:
+                total += cb.coded_bytes(1, d, bits)
+        return total
+
+
+# What a cache holds before it has any options (mlx_lm's ``from_state`` skips __init__);
+# never written to: only a quantized store appends codes.
+DENSE = TokenStore("dense", 16, 16, 32, 1, 1, mx.float16)
+NO_CODES = TokenBuffer()
+
+
+# ---- blocks: lists of arrays with the token on axis 2 ----
+def tokens(block: Block | None) -> int:
+    return 0 if not block else block[0].shape[2]
+
+
+def cat(*blocks: Block | None) -> Block | None:
+    """The blocks one after the other (``None`` and empty ones skipped)."""
+    live = [b for b in blocks if tokens(b)]
+    if len(live) < 2:
+        return live[0] if live else None
+    return [mx.concatenate(arrays, axis=2) for arrays in zip(*live)]
+
+
+def take(block: Block | None, start: int, stop: int | None = None) -> Block | None:
+    """Tokens ``start:stop``, copied (a kept slice would pin the whole block)."""
+    if not tokens(block):
+        return None
+    stop = tokens(block) if stop is None else stop
+    if stop <= start:
+        return None
+    return [mx.contiguous(a[:, :, start:stop]) for a in block]
+
+
+def gather(block: Block, idx: mx.array) -> Block:
+    """Per head, the tokens ``idx`` ``[B, H, n]`` (each head its own tokens)."""
+    out = []
+    for a in block:
+        i = idx.reshape(*idx.shape, *([1] * (a.ndim - 3)))
+        out.append(mx.take_along_axis(a, i, axis=2))
+    return out
+
+
+def write(block: Block, slot: int, new: Block) -> None:
+    """Overwrite token ``slot`` of ``block`` in place with the one token of ``new``."""
+    for a, x in zip(block, new):
+        a[:, :, slot:slot + 1] = x
+
+
+def reorder(block: Block | None, first: int) -> Block | None:
+    """A ring unrolled: tokens ``first..end`` then ``0..first`` (time order)."""
+    if not first or not tokens(block):
+        return block
+    return [mx.concatenate([a[:, :, first:], a[:, :, :first]], axis=2) for a in block]

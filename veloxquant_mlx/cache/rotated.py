@@ -1,0 +1,142 @@
+"""``KVCacheConfig.rotate``: any method's cache, over keys and values rotated per head.
+
+Rotating every key, value and query of a head by one orthogonal ``R`` leaves attention
+exact: scores are dot products (``(q R)(k R)^T = q k^T``) and an output computed over
+rotated values is rotated back once (``out R^T``). What changes is what the method
+stores: after a random rotation (a randomized Hadamard transform, ``ops.rotation``) the
+channels of a vector are close to i.i.d. Gaussian, so outlier channels no longer set the
+scale of a whole quantization group (QuaRot, TurboQuant arXiv 2504.19874).
+
+``rotated_class(cls)`` is a subclass of the method's own cache class, so everything that
+looks at the class (cross-layer roles and links, sliding-window rings, saved caches,
+batches) sees the method itself; the subclass only:
+
+- rotates keys and values before the method stores them (``update_and_fetch``);
+- rotates the queries the same way and the attention output back (``attend``);
+- rotates a dense reconstruction back (``dense_kv``), except while the method's own
+  ``attend`` reads it (MiniCache attends over its reconstruction);
+- declares the rotation once per model: one seeded matrix per head width, shared by every
+  layer of the process, held by the first layer's cache (``after_build``), a flag that
+  ``meta_state`` carries so a rebuilt or loaded cache keeps it.
+
+Methods declare that they can take it with ``rotatable = True``: their attention meets
+the stored keys only in dot products with queries. Keys stored before RoPE (xKV's
+``pre_rope``) cannot be rotated: RoPE and a fixed rotation do not commute
+(``KVCacheConfig`` refuses it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import KVCacheConfig
+from ..ops.rotation import random_rotation
+from .base import LAYER_RESTORERS, CompressedCache, LayerInfo
+
+SEED = 0
+_ROTATIONS: dict[int, mx.array] = {}
+_CLASSES: dict[type, type] = {}
+
+
+def shared_rotation(d: int) -> mx.array:
+    """The rotation of ``d``-wide head vectors, one per process (declared by one layer)."""
+    if d not in _ROTATIONS:
+        _ROTATIONS[d] = random_rotation(d, SEED)
+        mx.eval(_ROTATIONS[d])
+    return _ROTATIONS[d]
+
+
+def wants_rotation(config: KVCacheConfig) -> bool:
+    """Whether the builder rotates this config's caches: ``rotate=True``, or a store
+    whose codebook codes assume rotated vectors (``store="codebook"``)."""
+    return config.rotate or getattr(config.options, "store", None) == "codebook"
+
+
+def _turn(x: mx.array, rot: mx.array) -> mx.array:
+    return (x.astype(mx.float32) @ rot).astype(x.dtype)
+
+
+class RotatedMixin:
+    """The rotation around a method's cache (see the module doc)."""
+
+    rotated = True
+
+    def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
+        super().__init__(config, layer)
+        self.rot_k = shared_rotation(self.layer.head_dim)
+        self.rot_v = shared_rotation(self.layer.v_head_dim)
+        self.owns_rotation = False
+        self._raw = False  # inside the method's own attend: its reconstruction stays rotated
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return super().update_and_fetch(_turn(keys, self.rot_k), _turn(values, self.rot_v))
+
+    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
+        self._raw = True
+        try:
+            out = super().attend(_turn(queries, self.rot_k), scale, mask)
+        finally:
+            self._raw = False
+        return _turn(out, self.rot_v.T)
+
+    def _dense_back(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+        keys, values = super().dense_kv(dtype)
+        if self._raw:
+            return keys, values
+        return _turn(keys, self.rot_k.T), _turn(values, self.rot_v.T)
+
+    # ---- the rotation, declared once ----
+    def _rotations(self) -> list[mx.array]:
+        if not self.owns_rotation:
+            return []
+        return list({id(r): r for r in (self.rot_k, self.rot_v)}.values())
+
+    def held_arrays(self) -> list[mx.array]:
+        return super().held_arrays() + self._rotations()
+
+    def accounted_bytes(self) -> int:
+        return super().accounted_bytes() + sum(r.nbytes for r in self._rotations())
+
+    @classmethod
+    def after_build(cls, caches: list[CompressedCache], config: KVCacheConfig,
+                    model: Any) -> None:
+        super().after_build(caches, config, model)
+        for i, c in enumerate(caches):
+            getattr(c, "inner", c).owns_rotation = i == 0  # a ring holds the cache inside
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return (*super().meta_state, str(int(self.owns_rotation)))
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str, ...]) -> None:
+        super(RotatedMixin, type(self)).meta_state.fset(self, tuple(v[:-1]))
+        self.owns_rotation = v[-1] == "1"
+
+
+def rotated_class(cls: type) -> type:
+    """``cls`` with the rotation around it (one class per method, made once)."""
+    if getattr(cls, "rotated", False):
+        return cls
+    if cls not in _CLASSES:
+        body: dict[str, Any] = {"__module__": __name__,
+                                "stores": f"{cls.stores}; rotated per head"}
+        if cls.dense_kv is not CompressedCache.dense_kv:  # only where the method has one
+            body["dense_kv"] = RotatedMixin._dense_back
+        name = f"Rotated{cls.__name__}"
+        _CLASSES[cls] = type(name, (RotatedMixin, cls), body)
+        globals()[name] = _CLASSES[cls]  # importable by name (pickle, saved class paths)
+    return _CLASSES[cls]
+
+
+def _restore(method_cls: type, config: KVCacheConfig, layer: LayerInfo, state: Any,
+             meta_state: tuple[str, ...]) -> CompressedCache | None:
+    """A saved layer of a rotated config comes back rotated (rings included)."""
+    if wants_rotation(config) and not getattr(method_cls, "rotated", False):
+        return rotated_class(method_cls).from_saved(config, layer, state, meta_state)
+    return None
+
+
+LAYER_RESTORERS.insert(0, _restore)  # before the sliding-window ring's, which it wraps
