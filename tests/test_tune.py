@@ -120,3 +120,17 @@ def test_frontier_shares_measurements_and_mixes_widths_per_budget(tmp_path: Path
     assert json.loads((tmp_path / "f.json").read_text())["frontier"][1]["params"]["budget"] == 0.35
     table = tune.frontier_markdown(result).splitlines()
     assert len(table) == 4 and table[3].startswith(f"| 0.35 | `{result['frontier'][1]['chosen']}`")
+
+
+@pytest.mark.parametrize("budget", ["abc", "0.5,x", ","])
+def test_cli_refuses_a_bad_budget_list(budget: str, tmp_path: Path, capsys,
+                                       monkeypatch) -> None:
+    from veloxquant_mlx import cli
+    from veloxquant_mlx.integration import blas
+
+    monkeypatch.setattr(blas, "ensure_fast_blas", lambda argv=None: None)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["tune", "--budget", budget, "--out", str(tmp_path / "t.json")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--budget={budget!r} is not allowed" in err and "Traceback" not in err

@@ -177,3 +177,19 @@ def test_head_dims_the_quantizer_cannot_take_are_refused() -> None:
     with pytest.raises(ConfigError, match="affine needs head_dim"):
         TurboQuantCache(KVCacheConfig("turboquant", quantizer="affine"),
                         LayerInfo(head_dim=16))
+
+
+def test_rotation_is_freed_with_the_last_cache_that_holds_it() -> None:
+    """One rotation array is shared by the caches alive at once and not kept by the
+    process after them (held helper state must not outlive its use)."""
+    import gc
+    import weakref
+
+    from veloxquant_mlx.ops.rotation import shared_rotation
+
+    first = shared_rotation(48, 7)
+    assert shared_rotation(48, 7) is first
+    ref = weakref.ref(first)
+    del first
+    gc.collect()
+    assert ref() is None

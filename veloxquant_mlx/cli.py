@@ -224,25 +224,54 @@ def _parse_bytes(text: str) -> int:
                           "512MiB or 1e9") from None
 
 
+def _parse_budgets(text: str) -> list[float]:
+    try:
+        out = [float(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        out = []
+    if not out:
+        raise ConfigError(f"--budget={text!r} is not allowed: a fraction of fp16 such as "
+                          "0.2, or a comma-separated list such as 0.5,0.25,0.125")
+    return out
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from .eval.text import load_text
-    from .eval.tune import FULL, QUICK, TuneParams, budget_for_memory, run_tune, tune_markdown
+    from .eval.tune import (
+        FULL,
+        QUICK,
+        TuneParams,
+        budget_for_memory,
+        frontier_markdown,
+        run_frontier,
+        run_tune,
+        tune_markdown,
+    )
     from .models import load
 
     if (args.budget is None) == (args.max_memory is None):
         raise ConfigError("tune: give exactly one of --budget (a fraction of fp16) and "
                           "--max-memory (with --context)")
+    budgets = _parse_budgets(args.budget) if args.budget is not None else []
     defaults = dict(QUICK if args.quick else FULL)
     context = args.context or defaults.pop("context", 2048)
     defaults.pop("context", None)
+    defaults.update({k: getattr(args, k) for k in ("predict", "windows")
+                     if getattr(args, k) is not None})
     model, tokenizer = load(args.model)
-    budget = args.budget if args.budget is not None else budget_for_memory(
-        model, _parse_bytes(args.max_memory), context)
-    params = TuneParams(budget=budget, context=context, seed=args.seed,
+    if not budgets:
+        budgets = [budget_for_memory(model, _parse_bytes(args.max_memory), context)]
+    params = TuneParams(budget=budgets[0], context=context, seed=args.seed,
                         only=tuple(m for m in (args.only or "").split(",") if m),
                         **defaults)
-    result = run_tune(model, tokenizer, params, args.out, text=load_text(args.text),
-                      progress=args.progress)
+    text = load_text(args.text)
+    if len(budgets) > 1:
+        result = run_frontier(model, tokenizer, params, budgets, args.out, text=text,
+                              progress=args.progress)
+        print(frontier_markdown(result))
+        print(f"wrote {args.out} (one result per budget under 'frontier')")
+        return 0
+    result = run_tune(model, tokenizer, params, args.out, text=text, progress=args.progress)
     print(tune_markdown(result))
     print(f"wrote {args.out} (load it with --config {args.out})")
     return 0
@@ -252,13 +281,18 @@ def _add_tune_parser(sub: Any) -> None:
     """The ``tune`` subcommand: the best config for a memory budget."""
     p = sub.add_parser("tune", help="measure candidate configs; write the best one for a "
                        "memory budget")
-    p.add_argument("--budget", type=float, default=None,
-                   help="KV bytes allowed, as a fraction of fp16 (e.g. 0.2)")
+    p.add_argument("--budget", default=None,
+                   help="KV bytes allowed, as a fraction of fp16 (e.g. 0.2); a "
+                   "comma-separated list prints the frontier (one choice per budget)")
     p.add_argument("--max-memory", default=None,
                    help="KV bytes allowed at --context (e.g. 2GB); instead of --budget")
     p.add_argument("--context", type=int, default=None,
                    help="tokens of context to tune for (default 2048; --quick 1024)")
     p.add_argument("--only", default=None, help="comma-separated methods to consider")
+    p.add_argument("--predict", type=int, default=None,
+                   help="tokens scored per window (default 128; --quick 64)")
+    p.add_argument("--windows", type=int, default=None,
+                   help="text windows per candidate (default 4; --quick 2)")
     p.add_argument("--out", required=True, help="JSON file for the result")
     add_common_eval_arguments(p)
     p.set_defaults(func=cmd_tune)

@@ -68,6 +68,12 @@ class AffineCache(CompressedCache):
     # into a transient first; see the measurements in docs/methods/affine.md.
     use_quantized_matmul: ClassVar[bool] = False
 
+    @classmethod
+    def tune_grid(cls, context: int) -> list[dict[str, Any]]:
+        # 8 bits down to 2, groups of 32 (finer scales) below 8 bits; a 32-token fp window.
+        return [dict(bits=b, group_size=g, window=32)
+                for b, g in ((8, 64), (6, 64), (5, 32), (4, 32), (3, 32), (2, 32))]
+
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
         self.n_bits = self.opts.bits

@@ -77,6 +77,11 @@ class KIVICache(CompressedCache):
     # Attend on the packed codes (mx.quantized_matmul) instead of a dequantized transient.
     use_quantized_matmul = False
 
+    @classmethod
+    def tune_grid(cls, context: int) -> list[dict[str, Any]]:
+        # The paper's 2 and 4 bits with residual windows of 32 to 128 tokens.
+        return [dict(bits=b, group_size=32, window=w) for b in (4, 2) for w in (128, 32)]
+
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
         self.n_bits = self.opts.bits
@@ -207,6 +212,46 @@ class KIVICache(CompressedCache):
         val_q = self.vbuf.slots * q.quantized_bytes(Dv, self.n_bits, self.group_size)
         return B * H * (key_q + val_q + (n_kr * D + n_vr * Dv) * itemsize)
 
+    # ---- trimming (speculative decoding, prompt-cache reuse) ----
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens. Residual tokens and per-token value codes are cut
+        exactly; whole key groups are dropped, and the kept tokens of a key group cut in
+        the middle return to the residual as their dequantized values (what attention
+        already read for them) until the next key block is quantized."""
+        n = max(0, min(self.offset, n))
+        if n:
+            self._trim_keys(n)
+            n_vr = 0 if self.res_values is None else self.res_values.shape[2]
+            self.res_values = _cut(self.res_values, n_vr - min(n, n_vr))
+            if n > n_vr:
+                self.vbuf.truncate(self.vbuf.n - (n - n_vr))
+            self.offset -= n
+        return n
+
+    def _trim_keys(self, n: int) -> None:
+        n_kr = 0 if self.res_keys is None else self.res_keys.shape[2]
+        if n <= n_kr:
+            self.res_keys = _cut(self.res_keys, n_kr - n)
+            return
+        gs = self.group_size
+        keep = self.offset - n  # quantized key tokens that stay
+        whole, tail = divmod(keep, gs)
+        words = gs * self.n_bits // 32  # packed words per group of tokens
+        part = self.qkeys
+        if tail:
+            group = q.Quantized(*(a[..., i * whole:i * (whole + 1)] for a, i in
+                                  zip(part.arrays, (words, 1, 1))), self.n_bits, gs)
+            dense = q.dequantize_tokens(group, mx.float32)[:, :, :tail]
+            self.res_keys = mx.contiguous(dense.astype(self.window_dtype(self.compute_dtype)))
+        else:
+            self.res_keys = None
+        self.qkeys = None if not whole else q.Quantized(
+            *(mx.contiguous(a[..., :i * whole]) for a, i in zip(part.arrays, (words, 1, 1))),
+            self.n_bits, gs)
+
     # ---- save / restore ----
     @property
     def state(self):
@@ -218,3 +263,10 @@ class KIVICache(CompressedCache):
         self.qkeys = None if v[2] is None else q.Quantized(*v[2:5], self.n_bits,
                                                            self.group_size)
         self.vbuf.load(None if v[5] is None else list(v[5:8]))
+
+
+def _cut(x: mx.array | None, keep: int) -> mx.array | None:
+    """The first ``keep`` tokens of ``x`` as a copy (a slice would pin the trimmed tail)."""
+    if x is None or keep <= 0:
+        return None
+    return x if keep == x.shape[2] else mx.contiguous(x[:, :, :keep])

@@ -32,20 +32,11 @@ from typing import Any
 import mlx.core as mx
 
 from ..config import KVCacheConfig
-from ..ops.rotation import random_rotation
+from ..ops.rotation import shared_rotation
 from .base import LAYER_RESTORERS, CompressedCache, LayerInfo
 
 SEED = 0
-_ROTATIONS: dict[int, mx.array] = {}
 _CLASSES: dict[type, type] = {}
-
-
-def shared_rotation(d: int) -> mx.array:
-    """The rotation of ``d``-wide head vectors, one per process (declared by one layer)."""
-    if d not in _ROTATIONS:
-        _ROTATIONS[d] = random_rotation(d, SEED)
-        mx.eval(_ROTATIONS[d])
-    return _ROTATIONS[d]
 
 
 def wants_rotation(config: KVCacheConfig) -> bool:
@@ -65,8 +56,8 @@ class RotatedMixin:
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
-        self.rot_k = shared_rotation(self.layer.head_dim)
-        self.rot_v = shared_rotation(self.layer.v_head_dim)
+        self.rot_k = shared_rotation(self.layer.head_dim, SEED)
+        self.rot_v = shared_rotation(self.layer.v_head_dim, SEED)
         self.owns_rotation = False
         self._raw = False  # inside the method's own attend: its reconstruction stays rotated
 

@@ -36,7 +36,7 @@ from ..ops import codebook as cb
 from ..ops import quantize as q
 from ..ops.attention import Slot, attend_parts, slot_parts
 from ..ops.buffers import TokenBuffer
-from ..ops.rotation import random_rotation
+from ..ops.rotation import shared_rotation
 from ..options import MethodOptions, config_error
 from ..registry import register
 from .base import CompressedCache, LayerInfo
@@ -44,16 +44,6 @@ from .base import CompressedCache, LayerInfo
 QUANTIZERS = ("codebook", "affine")
 CODEBOOK_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4)
 STREAMS = ("keys", "values")
-_ROTATIONS: dict[tuple[int, int], mx.array] = {}
-
-
-def shared_rotation(d: int, seed: int) -> mx.array:
-    """One rotation per (head dim, seed) for the whole process: held once, not per layer."""
-    key = (d, seed)
-    if key not in _ROTATIONS:
-        _ROTATIONS[key] = random_rotation(d, seed)
-        mx.eval(_ROTATIONS[key])
-    return _ROTATIONS[key]
 
 
 @dataclass(frozen=True)

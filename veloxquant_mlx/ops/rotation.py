@@ -13,6 +13,7 @@ the same rotation is rebuilt for a saved cache.
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 
 import mlx.core as mx
@@ -44,3 +45,17 @@ def random_rotation(d: int, seed: int = 0) -> mx.array:
     if d < 1:
         raise ValueError(f"random_rotation: d={d} must be >= 1")
     return mx.array(_rotation_np(d, seed).astype(np.float32))
+
+
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def shared_rotation(d: int, seed: int = 0) -> mx.array:
+    """The ``[d, d]`` rotation for ``(d, seed)``, one array for every cache that holds it
+    at once; it is freed with the last of them (nothing outlives the caches)."""
+    rot = _LIVE.get((d, seed))
+    if rot is None:
+        rot = random_rotation(d, seed)
+        mx.eval(rot)
+        _LIVE[(d, seed)] = rot
+    return rot
