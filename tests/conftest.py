@@ -1,4 +1,4 @@
-"""Shared fixtures: method settings for tiny models, prefill, routing, and the method list.
+"""Shared test settings: method settings for tiny models, a prefill, and the method list.
 
 A test that takes an argument named ``method`` and does not parametrize it itself runs
 once per registered method, so a new method is picked up with no edit here.
@@ -6,7 +6,6 @@ once per registered method, so a new method is picked up with no edit here.
 
 import os
 import sys
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -14,10 +13,7 @@ import pytest
 
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.integration.blas import preload_for_pytest
-from veloxquant_mlx.integration.mlx_lm import (
-    install_attention_routing,
-    uninstall_attention_routing,
-)
+from veloxquant_mlx.prefill import prefill
 from veloxquant_mlx.registry import methods
 
 # Unit tests import the tiny in-process models from this folder.
@@ -80,27 +76,16 @@ def lossless_config(method: str, **extra: Any) -> KVCacheConfig:
 
 
 def run_prefill(model: Any, caches: list[Any], tokens: list[int], chunk: int = 16) -> mx.array:
-    """Prefill ``tokens`` in chunks; the logits of the last chunk (evaluated)."""
-    logits = None
-    for s in range(0, len(tokens), chunk):
-        logits = model(mx.array([tokens[s:s + chunk]]), cache=caches)
-        mx.eval(logits, [c.state for c in caches])
-    return logits
+    """The package's prefill with ``tokens`` in fixed chunks of ``chunk`` (the last token
+    with the last chunk, not alone as mlx_lm feeds it); the last position's logits."""
+    return prefill(model, caches, tokens, chunk, last_alone=False)
 
 
-@pytest.fixture()
-def make_config() -> Callable[..., KVCacheConfig]:
-    return small_config
-
-
-@pytest.fixture()
-def prefill() -> Callable[..., mx.array]:
-    return run_prefill
-
-
-@pytest.fixture()
-def routing() -> Iterator[None]:
-    """Attention routing for tests that drive caches' ``attend`` through a model."""
-    install_attention_routing()
-    yield
-    uninstall_attention_routing()
+def prefill_then_decode(model: Any, caches: list[Any], tokens: mx.array, n: int,
+                        chunk: int | None = None) -> mx.array:
+    """Every position's logits: the first ``n`` of ``tokens`` (``[B, T]``) in chunks of
+    ``chunk`` (default: one chunk), then one decode step per remaining token."""
+    outs = [prefill(model, caches, tokens[:, :n], chunk or n, last_alone=False,
+                    all_logits=True)]
+    outs += [model(tokens[:, t:t + 1], cache=caches) for t in range(n, tokens.shape[1])]
+    return mx.concatenate(outs, axis=1)

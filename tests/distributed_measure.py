@@ -30,6 +30,7 @@ from veloxquant_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from veloxquant_mlx.builder import cache_stats  # noqa: E402
 from veloxquant_mlx.eval.text import encode, load_text  # noqa: E402
 from veloxquant_mlx.integration import distributed as dist  # noqa: E402
+from veloxquant_mlx.prefill import prefill  # noqa: E402
 
 
 def quiet_memory() -> int:
@@ -44,9 +45,7 @@ def measure(model: Any, tokens: list[int], config: KVCacheConfig, context: int, 
     base = quiet_memory()
     caches = KVCacheBuilder.for_model(model, config)
     start = time.perf_counter()
-    for s in range(0, context, 512):
-        model(mx.array([tokens[s:min(s + 512, context)]]), cache=caches)
-        mx.eval([c.state for c in caches])
+    prefill(model, caches, tokens[:context], 512, last_alone=False)
     prefill_s = time.perf_counter() - start
     retained = quiet_memory() - base
     held = cache_stats(caches)["held_bytes"]

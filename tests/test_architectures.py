@@ -29,6 +29,7 @@ from veloxquant_mlx.eval.architectures import (
 )
 from veloxquant_mlx.eval.models_table import MATRIX_EXTRA, Reference, reference, run_cell
 from veloxquant_mlx.integration.mlx_lm import install_reconstruction, probe_model
+from veloxquant_mlx.prefill import prefill
 from veloxquant_mlx.registry import methods
 
 TYPES = list_model_types()
@@ -131,10 +132,9 @@ def test_architecture(model_type: str, method: str) -> None:
 
 
 # ---------------------------------------------------------------- the mechanisms
-def _prefill(model, caches, tokens, chunk=16) -> mx.array:
-    out = [model(mx.array([tokens[s:s + chunk]]), cache=caches)
-           for s in range(0, len(tokens), chunk)]
-    return mx.concatenate(out, axis=1)
+def _prefill(model, caches, tokens) -> mx.array:
+    """Every position's logits, the prompt in fixed chunks of 16."""
+    return prefill(model, caches, tokens, 16, last_alone=False, all_logits=True)
 
 
 RECONSTRUCTING = ["none", "affine", "kivi", "minicache", "streaming", "turboquant", "xkv"]

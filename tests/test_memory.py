@@ -66,10 +66,8 @@ def whole_chunks(model: Any, caches: list[Any], tokens: list[int] | None = None)
     """The prompt in chunks of ``CHUNK``, the last one several tokens long (as a batch
     prefill or a chat continuation feeds it): what a kept slice of a chunk pins is then
     still alive when the prefill ends."""
-    tokens = TOKENS[:PROMPT] if tokens is None else tokens
-    for s in range(0, len(tokens), CHUNK):
-        model(mx.array([tokens[s:s + CHUNK]]), cache=caches)
-        mx.eval([c.state for c in caches])
+    prefill(model, caches, TOKENS[:PROMPT] if tokens is None else tokens, CHUNK,
+            last_alone=False)
 
 
 def readings(model: Any, config: KVCacheConfig, steps: int = STEPS,

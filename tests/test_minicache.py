@@ -6,6 +6,7 @@ import math
 
 import mlx.core as mx
 import pytest
+from conftest import prefill_then_decode
 from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
@@ -252,13 +253,6 @@ def test_build_with_range_beyond_the_model_fails():
 
 
 # ---------------------------------------------------------------- on a model
-def run(model, caches, tokens: mx.array, prefill: int) -> mx.array:
-    outs = [model(tokens[:, :prefill], cache=caches)]
-    for i in range(prefill, tokens.shape[1]):
-        outs.append(model(tokens[:, i:i + 1], cache=caches))
-    return mx.concatenate(outs, axis=1)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama", num_hidden_layers=6)
@@ -269,7 +263,7 @@ def test_storage_is_real_and_counted_once(model, bits):
     cfg = KVCacheConfig(method="minicache", bits=bits, window=4)
     caches = KVCacheBuilder.for_model(model, cfg)
     tokens = mx.random.randint(0, 128, (2, 40), key=mx.random.key(3))
-    out = run(model, caches, tokens, 32)
+    out = prefill_then_decode(model, caches, tokens, 32)
     assert bool(mx.all(mx.isfinite(out)).item())
     for c in caches:
         assert c.offset == 40 and c.batch_size == 2
@@ -310,9 +304,10 @@ def test_merged_store_keeps_the_primarys_magnitudes(model):
 def test_batch_rows_are_independent(model):
     tokens = mx.random.randint(0, 128, (2, 30), key=mx.random.key(5))
     cfg = KVCacheConfig(method="minicache", retention_threshold=0.1, window=4)
-    both = run(model, KVCacheBuilder.for_model(model, cfg), tokens, 24)
+    both = prefill_then_decode(model, KVCacheBuilder.for_model(model, cfg), tokens, 24)
     for b in range(2):
-        one = run(model, KVCacheBuilder.for_model(model, cfg), tokens[b:b + 1], 24)
+        one = prefill_then_decode(model, KVCacheBuilder.for_model(model, cfg),
+                                  tokens[b:b + 1], 24)
         assert close(both[b], one[0], 1e-3)
 
 
@@ -324,7 +319,7 @@ def test_save_load_round_trip_with_merged_tokens(model, bits, tmp_path):
                         retention_threshold=0.2)
     caches = KVCacheBuilder.for_model(model, cfg)
     tokens = mx.random.randint(0, 128, (1, 30), key=mx.random.key(6))
-    run(model, caches, tokens, 24)
+    prefill_then_decode(model, caches, tokens, 24)
     store = caches[3].layer.coordinator.store(caches[3].layer.group_id)
     assert store.n_merged > 0 and store.n_retained()[0] > 0
     path = tmp_path / "mc.safetensors"
@@ -402,13 +397,13 @@ def test_trim_within_the_window_continues_as_a_fresh_cache(model):
     cfg = KVCacheConfig(method="minicache", window=16)
     tokens = mx.random.randint(0, 128, (1, 44), key=mx.random.key(8))
     caches = KVCacheBuilder.for_model(model, cfg)
-    run(model, caches, tokens[:, :40], 24)  # merged: 16 tokens; window: 24
+    prefill_then_decode(model, caches, tokens[:, :40], 24)  # merged: 16 tokens; window: 24
     store = caches[3].layer.coordinator.store(caches[3].layer.group_id)
     assert store.n_merged == 16 and store.n_pending(0) == 24
     assert all(c.is_trimmable() and c.trim(6) == 6 and c.offset == 34 for c in caches)
     assert store.n_pending(0) == store.n_pending(1) == 18 and store.published_end == 34
     fresh = KVCacheBuilder.for_model(model, cfg)
-    run(model, fresh, tokens[:, :34], 24)
+    prefill_then_decode(model, fresh, tokens[:, :34], 24)
     a, b = _continue(model, caches, tokens[:, 40:]), _continue(model, fresh, tokens[:, 40:])
     assert close(a, b, 1e-4)
 
@@ -419,7 +414,7 @@ def test_trim_into_merged_tokens_keeps_the_rest_exactly(model, bits):
     cfg = KVCacheConfig(method="minicache", window=4, bits=bits, retention_threshold=0.0)
     tokens = mx.random.randint(0, 128, (2, 40), key=mx.random.key(9))
     caches = KVCacheBuilder.for_model(model, cfg)
-    run(model, caches, tokens[:, :36], 24)
+    prefill_then_decode(model, caches, tokens[:, :36], 24)
     before = [c.dense_kv(mx.float32) for c in caches]
     held = cache_stats(caches)["held_bytes"]
     assert all(c.trim(15) == 15 for c in caches)  # 36 -> 21: into the merged store
@@ -442,7 +437,8 @@ def test_trim_of_retained_tokens(model):
     cfg = KVCacheConfig(method="minicache", window=8, retention_threshold=0.5)
     tokens = mx.random.randint(0, 128, (1, 40), key=mx.random.key(10))
     caches = KVCacheBuilder.for_model(model, cfg)
-    run(model, caches, tokens[:, :39], 24)  # merged: [0, 16) and [16, 24), half retained
+    # merged: [0, 16) and [16, 24), half retained
+    prefill_then_decode(model, caches, tokens[:, :39], 24)
     coord, pair = caches[3].layer.coordinator, caches[3].layer.group_id
     store = coord.store(pair)
     assert store.n_merged == 24 and store.n_retained() == (12, 12)
@@ -464,7 +460,7 @@ def test_tune_grid_spans_the_compression_range(model):
     ratios = []
     for opts in MiniCacheCache.tune_grid(2048):
         caches = KVCacheBuilder.for_model(model, KVCacheConfig("minicache", **opts))
-        run(model, caches, tokens, 199)
+        prefill_then_decode(model, caches, tokens, 199)
         ratios.append(cache_stats(caches)["ratio"])
     # The merge alone keeps about 0.8 of fp16 (plus the float16 windows of 64-127 tokens,
     # a large share of 200); with 2-bit codes on every layer about a third of that.

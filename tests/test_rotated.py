@@ -32,7 +32,7 @@ def model():
 
 def _logits(model, config: KVCacheConfig, tokens=PROMPT, follow=(5, 9, 17)):
     caches = KVCacheBuilder.for_model(model, config)
-    out = [run_prefill(model, caches, tokens)[:, -1]]
+    out = [run_prefill(model, caches, tokens)]
     out += [model(mx.array([[t]]), cache=caches)[:, -1] for t in follow]
     return mx.concatenate(out, axis=0), caches
 

@@ -33,7 +33,7 @@ def model():
 
 def _run(model, spec: str, tokens=TOKENS[:100], follow=FOLLOW, chunk: int = 16):
     caches = KVCacheBuilder.for_model(model, KVCacheConfig.from_string(spec))
-    out = [run_prefill(model, caches, tokens, chunk)[:, -1]]
+    out = [run_prefill(model, caches, tokens, chunk)]
     out += [model(mx.array([[t]]), cache=caches)[:, -1] for t in follow]
     return mx.concatenate(out, axis=0), caches
 
@@ -87,7 +87,11 @@ def test_real_bytes_of_stacks_within_declared(model) -> None:
                      "snapkv:capacity=40,window=8,store=affine,k_bits=4,v_bits=4"):
             m = measure_retained(model, KVCacheConfig.from_string(spec), TOKENS[:100], 8)
             for when in ("prefill", "decode"):
-                assert m[f"real_over_declared_{when}"] <= 1.05, (spec, m)
+                # Plus a fixed 4 KiB: the first decode compiles the codebook kernels, whose
+                # constants MLX keeps once per process (not per cache, not per token). A
+                # kept slice pinning one 16-token chunk would add ~32 KiB here.
+                real, declared = m[f"real_{when}_bytes"], m[f"declared_{when}_bytes"]
+                assert real <= 1.05 * declared + 4096, (spec, m)
     finally:
         mx.set_cache_limit(previous)
 

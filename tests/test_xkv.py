@@ -2,6 +2,7 @@
 
 import mlx.core as mx
 import pytest
+from conftest import prefill_then_decode
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from test_memory import keep_dense_copy, no_buffer_cache  # noqa: F401 (a fixture)
 from tiny_models import tiny_model
@@ -31,12 +32,7 @@ def _cfg(**kw):
 
 def _run(model, caches, tokens, prompt, chunk=32):
     """Chunked prefill of ``prompt`` tokens, then one decode step per token."""
-    outs = []
-    for i in range(0, prompt, chunk):
-        outs.append(model(tokens[:, i:min(i + chunk, prompt)], cache=caches))
-    for t in range(prompt, tokens.shape[1]):
-        outs.append(model(tokens[:, t:t + 1], cache=caches))
-    return mx.concatenate(outs, axis=1)
+    return prefill_then_decode(model, caches, tokens, prompt, chunk)
 
 
 def _tokens(batch=1, n=110, seed=1):
@@ -55,6 +51,10 @@ class _Forgetful(KVCache):
     def update_and_fetch(self, keys, values):
         self.offset += keys.shape[2]
         return keys, values
+
+    @property
+    def state(self):
+        return []  # holds nothing
 
 
 # ---- configuration ----

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from conftest import prefill_then_decode
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import tiny_model
 
@@ -22,14 +23,6 @@ def hook(model, latent: bool = True):
     """Install the X hook on every attention layer of ``model``."""
     return install_x_hook([i for i in KVCacheBuilder.layer_infos(model) if i is not None],
                           latent)
-
-
-def _run(model, tokens, caches, prefill: int) -> mx.array:
-    """Prefill ``prefill`` tokens, then decode the rest one token at a time."""
-    outs = [model(tokens[:, :prefill], cache=caches)]
-    for t in range(prefill, tokens.shape[1]):
-        outs.append(model(tokens[:, t:t + 1], cache=caches))
-    return mx.concatenate(outs, axis=1)
 
 
 def stored_bytes(caches) -> int:
@@ -68,7 +61,7 @@ def test_8bit_close_to_dense_and_2bit_is_not(model_type, method):
     errs = {}
     for bits in (8, 2):
         caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, bits=bits))
-        errs[bits] = _rel_err(_run(model, tokens, caches, 9), ref)
+        errs[bits] = _rel_err(prefill_then_decode(model, caches, tokens, 9), ref)
     uninstall_x_hook(model)
     assert errs[8] < 0.02
     assert errs[2] > 5 * errs[8]
@@ -79,7 +72,7 @@ def test_held_matches_accounted_and_no_full_size_copy(llama):
     for cfg in (KVCacheConfig(method="xquant", bits=4, window=8),
                 KVCacheConfig(method="xquant_cl", bits=3)):
         caches = KVCacheBuilder.for_model(llama, cfg)
-        _run(llama, tokens, caches, 40)
+        prefill_then_decode(llama, caches, tokens, 40)
         for c in caches:
             s = c.stats()
             assert s["tokens"] == 70
@@ -94,14 +87,14 @@ def test_held_matches_accounted_and_no_full_size_copy(llama):
 def test_window_keeps_recent_tokens_in_full_precision(llama):
     tokens = mx.random.randint(0, 128, (1, 30), key=mx.random.key(3))
     caches = KVCacheBuilder.for_model(llama, KVCacheConfig(method="xquant", window=8))
-    _run(llama, tokens, caches, 20)
+    prefill_then_decode(llama, caches, tokens, 20)
     c = caches[0]
     assert c.n_window() == 8 and c.codes[0].codes.shape[1] == 22
     ref = llama(tokens, cache=make_prompt_cache(llama))
-    err_w = _rel_err(_run(llama, tokens, KVCacheBuilder.for_model(
-        llama, KVCacheConfig(method="xquant", bits=2, window=32)), 20), ref)
-    err_q = _rel_err(_run(llama, tokens, KVCacheBuilder.for_model(
-        llama, KVCacheConfig(method="xquant", bits=2, window=0)), 20), ref)
+    err_w = _rel_err(prefill_then_decode(llama, KVCacheBuilder.for_model(
+        llama, KVCacheConfig(method="xquant", bits=2, window=32)), tokens, 20), ref)
+    err_q = _rel_err(prefill_then_decode(llama, KVCacheBuilder.for_model(
+        llama, KVCacheConfig(method="xquant", bits=2, window=0)), tokens, 20), ref)
     assert err_w < 1e-3 < err_q  # everything inside the window: exact up to fp16
 
 
@@ -111,7 +104,7 @@ def test_latent_space_for_gqa():
     tokens = mx.random.randint(0, 128, (1, 20), key=mx.random.key(4))
     ref = model(tokens, cache=make_prompt_cache(model))
     lat = KVCacheBuilder.for_model(model, KVCacheConfig(method="xquant", bits=8, group_size=32))
-    err_lat = _rel_err(_run(model, tokens, lat, 8), ref)
+    err_lat = _rel_err(prefill_then_decode(model, lat, tokens, 8), ref)
     assert lat[0].widths == (32, 32)
     # Building again with other options re-hooks: XQuant-CL works on the full X.
     cl = KVCacheBuilder.for_model(model, KVCacheConfig(method="xquant_cl", group_size=32))
@@ -119,7 +112,7 @@ def test_latent_space_for_gqa():
     uninstall_x_hook(model)
     full = KVCacheBuilder.for_model(model, KVCacheConfig(method="xquant", bits=8, group_size=32,
                                                          latent=False))
-    _run(model, tokens, full, 8)
+    prefill_then_decode(model, full, tokens, 8)
     uninstall_x_hook(model)
     assert full[0].widths == (128,)
     assert err_lat < 0.02
@@ -156,7 +149,7 @@ def test_without_hook_is_a_clear_error(llama):
 def test_trim_and_state_roundtrip(llama):
     tokens = mx.random.randint(0, 128, (1, 30), key=mx.random.key(6))
     caches = KVCacheBuilder.for_model(llama, KVCacheConfig(method="xquant", window=4))
-    _run(llama, tokens, caches, 20)
+    prefill_then_decode(llama, caches, tokens, 20)
     c = caches[1]
     clone = XQuantCache(c.config, c.layer)
     clone.state, clone.meta_state = c.state, c.meta_state
@@ -178,7 +171,7 @@ def test_trim_continues_as_a_fresh_cache(llama, method, kwargs, cut):
     tokens = mx.random.randint(0, 128, (1, 40), key=mx.random.key(7))
     cfg = KVCacheConfig(method=method, **kwargs)
     caches = KVCacheBuilder.for_model(llama, cfg)
-    _run(llama, tokens[:, :30], caches, 20)
+    prefill_then_decode(llama, caches, tokens[:, :30], 20)
     held = [c.stored_arrays() for c in caches]
     dense = [c.dense_kv() for c in caches] if method == "xquant" else None
     assert all(c.is_trimmable() and c.trim(cut) == cut for c in caches)
@@ -197,9 +190,10 @@ def test_trim_continues_as_a_fresh_cache(llama, method, kwargs, cut):
     if kwargs.get("window"):
         return
     fresh = KVCacheBuilder.for_model(llama, cfg)
-    _run(llama, tokens[:, :keep], fresh, 20)
+    prefill_then_decode(llama, fresh, tokens[:, :keep], 20)
     more = tokens[:, 30:]
-    assert _rel_err(_run(llama, more, caches, 1), _run(llama, more, fresh, 1)) < 1e-4
+    assert _rel_err(prefill_then_decode(llama, caches, more, 1),
+                    prefill_then_decode(llama, fresh, more, 1)) < 1e-4
 
 
 def test_unsupported_architecture_is_a_clear_error():
@@ -343,7 +337,8 @@ def test_factored_values_match_rematerialized(model_type, latent):
 
 def test_no_transient_is_left_behind(llama):
     caches = KVCacheBuilder.for_model(llama, KVCacheConfig(method="xquant_cl", bits=4))
-    _run(llama, mx.random.randint(0, 128, (1, 12), key=mx.random.key(10)), caches, 8)
+    prefill_then_decode(llama, caches,
+                        mx.random.randint(0, 128, (1, 12), key=mx.random.key(10)), 8)
     # Neither the projections nor the coordinator keep the residual stream around.
     assert all(b.self_attn._xquant.residual is None for b in llama.layers)
     assert caches[0].coordinator._x is None

@@ -610,14 +610,6 @@ PATHS: dict[str, str] = {
     "mixed": "some layers one way, some another",
     "none": "no attention (recurrent only)",
 }
-PROJECTIONS: dict[str, str] = {
-    "separate": "separate K and V projections (k_proj / v_proj or like-named)",
-    "fused": "one projection for Q, K and V (qkv_proj, c_attn, Wqkv, wqkv, W_pack, "
-             "query_key_value, ...)",
-    "mla": "multi-head latent attention: low-rank KV latent (kv_a_proj_with_mqa)",
-    "other": "something else (see the note)",
-    "none": "no attention",
-}
 FEATURES: dict[str, str] = {
     "sliding_window": "some layers attend over a window (RotatingKVCache)",
     "chunked": "chunked local attention (ChunkedKVCache)",
@@ -647,10 +639,12 @@ FEATURES: dict[str, str] = {
 class Survey:
     """How one model type's attention reaches its KV cache (mlx_lm 0.32.2).
 
-    ``routable``: every attention call goes through the module-level name, with the
-    calling layer's own cache, over the keys and values that cache returned and with
-    a plain (None / "causal" / boolean) mask and no sinks, so a cache's ``attend`` sees
-    all it needs. ``caches``: the distinct kinds ``make_prompt_cache`` returns, in
+    ``projections``: ``"separate"`` (K and V projections of their own), ``"fused"`` (one
+    projection for Q, K and V), ``"mla"`` (a low-rank KV latent), ``"other"`` or
+    ``"none"``. ``routable``: every attention call goes through the module-level name,
+    with the calling layer's own cache, over the keys and values that cache returned and
+    with a plain (None / "causal" / boolean) mask and no sinks, so a cache's ``attend``
+    sees all it needs. ``caches``: the distinct kinds ``make_prompt_cache`` returns, in
     order, ``CacheList`` spelled with its parts. ``runs``: "yes" when an 8-token
     prefill and 4 greedy decode steps run with mlx_lm's own cache, else why not.
     """

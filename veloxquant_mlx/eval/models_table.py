@@ -53,7 +53,7 @@ from .architectures import SURVEY, build_tiny
 from .memory import active_bytes
 
 PROMPT = [(i * 37 + 11) % 120 + 1 for i in range(24)]
-CHUNKS = (16, 8)  # the prompt is fed in two chunks (a sliding window of 4 is crossed)
+CHUNK = 16  # the prompt is fed in chunks of 16 and 8 (a sliding window of 4 is crossed)
 DECODE = [5, 17, 33]  # teacher-forced decode tokens
 TRIM = 4
 BATCH = [PROMPT[:20], [(i * 11 + 3) % 120 + 1 for i in range(13)]]
@@ -144,15 +144,8 @@ def _where(exc: BaseException) -> str:
 
 
 def _prefill(model: nn.Module, caches: list[Any], tokens: list[int]) -> mx.array:
-    out, start = [], 0
-    for n in CHUNKS:
-        piece = tokens[start:start + n]
-        if piece:
-            out.append(model(mx.array([piece]), cache=caches)[0])
-        start += n
-    logits = mx.concatenate(out, axis=0)
-    mx.eval(logits)
-    return logits
+    """Every position's logits, ``[T, vocab]``: chunks of ``CHUNK``, the last one partial."""
+    return prefill(model, caches, tokens, CHUNK, last_alone=False, all_logits=True)[0]
 
 
 def _decode(model: nn.Module, caches: list[Any], tokens: list[int]) -> mx.array:

@@ -442,12 +442,9 @@ def as_part(x: Any, quantized_matmul: bool = False) -> Any:
 
 
 # ------------------------------------------------------------------ slots
-SLOT_KINDS = ("dense", "token", "coded", "channel")
-
-
 @dataclass
 class Slot:
-    """One stretch of one sequence's keys or values, in a form that rows can stack.
+    """One stretch of one sequence's keys or values, as a cache hands it to attention.
 
     ``kind``: ``"dense"`` (one array ``[B, H, n, D]``), ``"token"`` (per-token
     ``Quantized`` codes, scales, biases; ``meta`` = bits, group size), ``"coded"``
@@ -475,45 +472,10 @@ class Slot:
             return ChannelCodes(qt, self.packed)
         return PackedCodes(qt) if self.packed else token_codes(qt)
 
-    def token_axes(self) -> list[tuple[int, float]]:
-        """Per array: (axis holding the tokens, elements per token)."""
-        if self.kind != "channel":
-            return [(2, 1.0)] * len(self.arrays)
-        bits, group = self.meta
-        return [(-1, bits / 32), (-1, 1 / group), (-1, 1 / group)]
-
 
 def slot_parts(slots: Sequence[Slot]) -> list[Part]:
     """The non-empty slots as parts."""
     return [s.part() for s in slots if s.n]
-
-
-def stack_slots(rows: Sequence[Slot]) -> Slot:
-    """The same slot of several sequences as one batch slot: each row's arrays zero-padded
-    to the longest row (zero codes, scales and biases decode to zeros, which the caller
-    masks) and joined along the batch axis."""
-    n = max(r.n for r in rows)
-    full = [r for r in rows if r.n]
-    if not full:
-        return Slot(rows[0].kind, [], 0, rows[0].meta, rows[0].packed)
-    template = full[0]
-    out = []
-    for i, (axis, per_token) in enumerate(template.token_axes()):
-        pieces = []
-        for r in rows:
-            shape = list(template.arrays[i].shape)
-            shape[axis] = round(n * per_token)
-            if not r.n:
-                pieces.append(mx.zeros(shape, template.arrays[i].dtype))
-                continue
-            a = r.arrays[i]
-            extra = shape[axis] - a.shape[axis]
-            if extra:
-                shape[axis] = extra
-                a = mx.concatenate([a, mx.zeros(shape, a.dtype)], axis=axis)
-            pieces.append(a)
-        out.append(mx.concatenate(pieces, axis=0))
-    return Slot(template.kind, out, n, template.meta, template.packed)
 
 
 # ------------------------------------------------------------------ attention

@@ -29,7 +29,6 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-MAX_BITS = 4
 BYTE_WIDTHS = (1, 2, 4)  # widths that byte packing takes (codes never straddle a byte)
 PACKINGS = ("planes", "bytes")
 _SHIFTS = mx.arange(8, dtype=mx.uint8)
@@ -110,13 +109,6 @@ def pack_bytes(codes: mx.array, bits: int) -> mx.array:
     return (c << shifts).sum(axis=-1).astype(mx.uint8)  # disjoint bits: sum == or
 
 
-def unpack_bytes(packed: mx.array, bits: int) -> mx.array:
-    """Inverse of :func:`pack_bytes`: ``[..., m]`` uint8 -> ``[..., m * 8 // bits]`` uint8."""
-    shifts = mx.arange(0, 8, bits, dtype=mx.uint8)
-    c = (packed[..., None] >> shifts) & ((1 << bits) - 1)
-    return c.reshape(*packed.shape[:-1], -1)
-
-
 def packed_in_bytes(packing: str, bits: int) -> bool:
     """Whether a channel part of width ``bits`` is byte-packed under ``packing``."""
     return packing == "bytes" and bits in BYTE_WIDTHS
@@ -134,10 +126,6 @@ class Coded:
     @property
     def arrays(self) -> list[mx.array]:
         return [*self.parts, self.scales]
-
-
-def _centroids(bits: int) -> mx.array:
-    return mx.array(lloyd_max(bits)[0], dtype=mx.float32)
 
 
 def encode(x: mx.array, bits: float, packing: str = "planes") -> Coded:
