@@ -256,7 +256,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     defaults = dict(QUICK if args.quick else FULL)
     context = args.context or defaults.pop("context", 2048)
     defaults.pop("context", None)
-    defaults.update({k: getattr(args, k) for k in ("predict", "windows")
+    defaults.update({k: getattr(args, k) for k in ("predict", "windows", "per_method")
                      if getattr(args, k) is not None})
     model, tokenizer = load(args.model)
     if not budgets:
@@ -293,6 +293,9 @@ def _add_tune_parser(sub: Any) -> None:
                    help="tokens scored per window (default 128; --quick 64)")
     p.add_argument("--windows", type=int, default=None,
                    help="text windows per candidate (default 4; --quick 2)")
+    p.add_argument("--per-method", type=int, default=None,
+                   help="candidates per family whose quality is measured, the largest "
+                   "within the budget (default 2)")
     p.add_argument("--out", required=True, help="JSON file for the result")
     add_common_eval_arguments(p)
     p.set_defaults(func=cmd_tune)
