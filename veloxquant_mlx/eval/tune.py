@@ -96,6 +96,9 @@ def family(config: KVCacheConfig) -> str:
     store = getattr(config.options, "store", "dense")
     if store != "dense":
         tags.append(f"store={store}")
+    quantizer = getattr(config.options, "quantizer", None)
+    if quantizer not in (None, "codebook"):
+        tags.append(f"quantizer={quantizer}")
     if config.rotate:
         tags.append("rotate")
     if config.layers:
