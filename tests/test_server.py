@@ -150,11 +150,7 @@ def test_server_concurrent_chats_and_memory(tmp_path: Path, method_args: list[st
         after = ps.memory_info().rss
         assert after - baseline < 64 * 2**20, (baseline, after)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        loadtest.stop_process(proc)
 
 
 # ---- units: sizes, the cost line, the budget ----
@@ -364,12 +360,7 @@ def kivi_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
             yield port
             assert proc.poll() is None, (folder / "serve.log").read_text()[-3000:]
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=20)
+            loadtest.stop_process(proc)
 
 
 def _limits(port: int) -> dict:

@@ -256,14 +256,21 @@ class ServerProcess:
         return Path(self.log_path).read_bytes()[-n:].decode(errors="replace")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=20)
+        if self.proc is not None:
+            stop_process(self.proc)
         self._log.close()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    """Terminate ``proc`` if it still runs; kill it when it ignores that for ``timeout`` s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
 
 
 def bytes_for(cost: dict[str, Any], tokens: int) -> int:
