@@ -236,21 +236,14 @@ class KIVICache(CompressedCache):
         if n <= n_kr:
             self.res_keys = _cut(self.res_keys, n_kr - n)
             return
-        gs = self.group_size
         keep = self.offset - n  # quantized key tokens that stay
-        whole, tail = divmod(keep, gs)
-        words = gs * self.n_bits // 32  # packed words per group of tokens
-        part = self.qkeys
+        whole, tail = divmod(keep, self.group_size)
+        self.res_keys = None
         if tail:
-            group = q.Quantized(*(a[..., i * whole:i * (whole + 1)] for a, i in
-                                  zip(part.arrays, (words, 1, 1))), self.n_bits, gs)
+            group = q.slice_groups(self.qkeys, whole, whole + 1)
             dense = q.dequantize_tokens(group, mx.float32)[:, :, :tail]
             self.res_keys = mx.contiguous(dense.astype(self.window_dtype(self.compute_dtype)))
-        else:
-            self.res_keys = None
-        self.qkeys = None if not whole else q.Quantized(
-            *(mx.contiguous(a[..., :i * whole]) for a, i in zip(part.arrays, (words, 1, 1))),
-            self.n_bits, gs)
+        self.qkeys = q.slice_groups(self.qkeys, 0, whole) if whole else None
 
     # ---- save / restore ----
     @property

@@ -121,6 +121,15 @@ def concat_packed(parts: list[Quantized]) -> Quantized:
     )
 
 
+def slice_groups(qt: Quantized, start: int, stop: int) -> Quantized:
+    """Groups ``start:stop`` along the packed (last) axis, as copies (a slice would pin
+    the whole parent): the inverse of :func:`concat_packed`."""
+    words = qt.group_size * qt.bits // 32  # packed words per group
+    return Quantized(mx.contiguous(qt.codes[..., start * words:stop * words]),
+                     mx.contiguous(qt.scales[..., start:stop]),
+                     mx.contiguous(qt.biases[..., start:stop]), qt.bits, qt.group_size)
+
+
 def dequantize_unpacked(qt: Quantized, dtype: mx.Dtype = mx.float32) -> mx.array:
     """Same result as :func:`dequantize`, by shifting the codes out with plain ops.
 
