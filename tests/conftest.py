@@ -12,8 +12,8 @@ import mlx.core as mx
 import pytest
 
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.integration.blas import preload_for_pytest
-from veloxquant_mlx.prefill import prefill
+from veloxquant_mlx.adapter.prefill import prefill
+from veloxquant_mlx.apps.blas import preload_for_pytest
 from veloxquant_mlx.registry import methods
 
 # Unit tests import the tiny in-process models from this folder.

@@ -20,17 +20,17 @@ import sys
 import time
 from typing import Any
 
-from veloxquant_mlx.integration.blas import ensure_fast_blas
+from veloxquant_mlx.apps.blas import ensure_fast_blas
 
 ensure_fast_blas()
 
 import mlx.core as mx  # noqa: E402
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
-from veloxquant_mlx.builder import cache_stats  # noqa: E402
+from veloxquant_mlx.adapter.builder import cache_stats  # noqa: E402
+from veloxquant_mlx.adapter.prefill import prefill  # noqa: E402
+from veloxquant_mlx.apps import distributed as dist  # noqa: E402
 from veloxquant_mlx.eval.text import encode, load_text  # noqa: E402
-from veloxquant_mlx.integration import distributed as dist  # noqa: E402
-from veloxquant_mlx.prefill import prefill  # noqa: E402
 
 
 def quiet_memory() -> int:

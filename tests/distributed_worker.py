@@ -28,8 +28,8 @@ from conftest import LOSSLESS_OPTIONS, PROMPT  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
-from veloxquant_mlx.builder import cache_stats  # noqa: E402
-from veloxquant_mlx.integration import distributed as dist  # noqa: E402
+from veloxquant_mlx.adapter.builder import cache_stats  # noqa: E402
+from veloxquant_mlx.apps import distributed as dist  # noqa: E402
 from veloxquant_mlx.registry import methods  # noqa: E402
 
 # 4 KV heads (2 per rank over 2 ranks); X (512 wide) is wider than K and V together, so
@@ -150,7 +150,7 @@ def _arrays(state: Any) -> list[mx.array]:
 
 def save_and_reload(model: Any, out: Path) -> dict[str, Any]:
     """A kivi cache saved by each rank to its own file, then loaded back in the same job."""
-    from veloxquant_mlx.integration.prompt_cache import load_prompt_cache, save_prompt_cache
+    from veloxquant_mlx.apps.prompt_cache import load_prompt_cache, save_prompt_cache
 
     config = KVCacheConfig("kivi", **LOSSLESS_OPTIONS["kivi"])
     caches = KVCacheBuilder.for_model(model, config)

@@ -5,9 +5,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.adapter.mlx_lm import install_attention_routing
 from veloxquant_mlx.cache import LayerInfo
 from veloxquant_mlx.cache.affine import AffineCache
-from veloxquant_mlx.integration.mlx_lm import install_attention_routing
 from veloxquant_mlx.ops import quantize as qz
 
 install_attention_routing()

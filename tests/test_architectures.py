@@ -1,6 +1,6 @@
 """Every model type the installed mlx_lm ships x every registered method.
 
-Each cell (``veloxquant_mlx.eval.models_table.run_cell``: prefill + decode, a saved-cache
+Each cell (``veloxquant_mlx.testing.models_table.run_cell``: prefill + decode, a saved-cache
 round trip, trimming where the caches say they can, a batch of two) either matches
 mlx_lm's own cache at the method's lossless settings or refuses with a clear error. The
 refusals are data below, so a cell that goes from supported to refused (or back) fails
@@ -20,17 +20,17 @@ from conftest import LOSSLESS_OPTIONS, SMALL_OPTIONS
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.adapter.mlx_lm import install_reconstruction, probe_model
+from veloxquant_mlx.adapter.prefill import prefill
 from veloxquant_mlx.cache.sliding import SlidingCache
-from veloxquant_mlx.eval.architectures import (
+from veloxquant_mlx.registry import methods
+from veloxquant_mlx.testing.architectures import (
     SURVEY,
     build_tiny,
     list_model_types,
     uncatalogued_model_types,
 )
-from veloxquant_mlx.eval.models_table import MATRIX_EXTRA, Reference, reference, run_cell
-from veloxquant_mlx.integration.mlx_lm import install_reconstruction, probe_model
-from veloxquant_mlx.prefill import prefill
-from veloxquant_mlx.registry import methods
+from veloxquant_mlx.testing.models_table import MATRIX_EXTRA, Reference, reference, run_cell
 
 TYPES = list_model_types()
 
@@ -100,7 +100,7 @@ def _reference(model_type: str) -> Reference:
 # ---------------------------------------------------------------- the matrix
 def test_every_installed_model_type_is_catalogued() -> None:
     # A model type a newer mlx_lm adds has no tiny model here: add it to ARCHITECTURES
-    # (and SURVEY) in veloxquant_mlx/eval/architectures.py.
+    # (and SURVEY) in veloxquant_mlx/testing/architectures.py.
     assert uncatalogued_model_types() == [], "not in the catalogue"
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from veloxquant_mlx.apps import blas
 from veloxquant_mlx.eval import matmul_bench
-from veloxquant_mlx.integration import blas
 
 ROOT = Path(__file__).resolve().parents[1]
 ON_LINUX = sys.platform == "linux"
@@ -138,7 +138,7 @@ def test_missing_library_warns_once_with_apt_hint(fresh, monkeypatch):
 _PROBE = textwrap.dedent(
     """
     import json
-    from veloxquant_mlx.integration.blas import ensure_fast_blas, blas_status
+    from veloxquant_mlx.apps.blas import ensure_fast_blas, blas_status
     ensure_fast_blas()
     import mlx.core as mx
     mx.eval(mx.matmul(mx.ones((64, 64)), mx.ones((64, 64)), stream=mx.cpu))
@@ -173,12 +173,12 @@ def test_disabled_subprocess_keeps_the_reference_blas():
 @needs_fast
 def test_preload_for_pytest_reexecs_pytest(tmp_path: Path):
     (tmp_path / "conftest.py").write_text(
-        "from veloxquant_mlx.integration.blas import preload_for_pytest\n\n\n"
+        "from veloxquant_mlx.apps.blas import preload_for_pytest\n\n\n"
         "def pytest_configure(config):\n"
         "    preload_for_pytest(config)\n"
     )
     (tmp_path / "test_probe.py").write_text(
-        "from veloxquant_mlx.integration.blas import blas_status\n\n\n"
+        "from veloxquant_mlx.apps.blas import blas_status\n\n\n"
         "def test_fast():\n"
         "    import mlx.core as mx\n"
         "    mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))\n"

@@ -4,10 +4,10 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
+from veloxquant_mlx.adapter import mlx_lm as glue
 from veloxquant_mlx.cache.affine import AffineCache
 from veloxquant_mlx.cache.dense import DenseCache
 from veloxquant_mlx.config import ConfigError
-from veloxquant_mlx.integration import mlx_lm as glue
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])

@@ -24,9 +24,9 @@ from veloxquant_mlx import (
     load_prompt_cache,
     save_prompt_cache,
 )
+from veloxquant_mlx.apps.prompt_cache import PromptCacheError
 from veloxquant_mlx.cache.base import CompressedCache, NotTrimmableError
 from veloxquant_mlx.eval.memory import active_bytes, no_buffer_cache
-from veloxquant_mlx.integration.prompt_cache import PromptCacheError
 from veloxquant_mlx.registry import get_method, methods
 
 LEGACY = Path(__file__).parent / "data" / "saved-v0.1"
@@ -68,8 +68,9 @@ def test_life_of_a_cache(method: str, tmp_path: Path) -> None:
     save_prompt_cache(tmp_path / "c.safetensors", caches)
     loaded = load_prompt_cache(tmp_path / "c.safetensors", model=model)
     assert [c.meta_state for c in loaded] == [c.meta_state for c in caches]
+    # A loaded ring starts in time order: sums run in another order (float32 rounding).
     assert mx.allclose(_decode(model, caches, [3, 4]), _decode(model, loaded, [3, 4]),
-                       atol=1e-5).item()
+                       atol=1e-4).item()
 
     if all(c.is_trimmable() for c in loaded):
         assert loaded[0].trim(3) == 3 and loaded[0].offset == len(PROMPT) + 1

@@ -27,8 +27,8 @@ import psutil
 import pytest
 from tiny_models import tiny_model
 
-from veloxquant_mlx.integration import distributed as dist
-from veloxquant_mlx.integration.prompt_cache import (
+from veloxquant_mlx.apps import distributed as dist
+from veloxquant_mlx.apps.prompt_cache import (
     PromptCacheError,
     load_prompt_cache,
     read_prompt_cache_header,

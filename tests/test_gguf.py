@@ -917,7 +917,7 @@ def test_sentencepiece_refusals(sp, tmp_path: Path):
 
 def test_cli_reports_gguf_error_in_one_line(tmp_path: Path, capsys, monkeypatch):
     from veloxquant_mlx import cli
-    from veloxquant_mlx.integration import blas
+    from veloxquant_mlx.apps import blas
 
     monkeypatch.setattr(blas, "ensure_fast_blas", lambda argv=None: None)
     path = write_tokenizer_gguf(tmp_path / "bad.gguf", pre="deepseek-coder")

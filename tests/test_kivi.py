@@ -11,10 +11,10 @@ from test_memory import keep_dense_copy, no_buffer_cache  # noqa: F401 (a fixtur
 from tiny_models import tiny_model
 
 from veloxquant_mlx import ConfigError, KVCacheBuilder, KVCacheConfig, cache_stats
+from veloxquant_mlx.adapter.mlx_lm import install_attention_routing
 from veloxquant_mlx.cache.affine import AffineCache
 from veloxquant_mlx.cache.base import LayerInfo
 from veloxquant_mlx.cache.kivi import KIVICache
-from veloxquant_mlx.integration.mlx_lm import install_attention_routing
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import sdpa
 

@@ -25,6 +25,7 @@ from conftest import small_config
 from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
+from veloxquant_mlx.adapter.prefill import prefill
 from veloxquant_mlx.cache import (
     affine,
     kivi,
@@ -36,7 +37,6 @@ from veloxquant_mlx.cache import (
     xquant_coordinator,
 )
 from veloxquant_mlx.eval.memory import active_bytes
-from veloxquant_mlx.prefill import prefill
 
 BOUND = 1.05
 PROMPT, CHUNK, STEPS = 512, 128, 40

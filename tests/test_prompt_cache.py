@@ -22,7 +22,7 @@ from veloxquant_mlx import (
     save_prompt_cache,
     trim_prompt_cache,
 )
-from veloxquant_mlx.integration.prompt_cache import (
+from veloxquant_mlx.apps.prompt_cache import (
     NotTrimmableError,
     PromptCacheError,
     read_prompt_cache_header,

@@ -17,16 +17,16 @@ from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import tiny_model
 
 from veloxquant_mlx import ConfigError, KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.cache.base import CompressedCache
-from veloxquant_mlx.eval.architectures import build_tiny
-from veloxquant_mlx.integration.mlx_lm import (
+from veloxquant_mlx.adapter.mlx_lm import (
     UnsupportedModelError,
     check_attention_routing,
     probe_model,
     reconstruction_installed,
     uninstall_reconstruction,
 )
+from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.registry import get_method
+from veloxquant_mlx.testing.architectures import build_tiny
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3_text", "gemma2", "olmo2", "plamo"]
 # Relative logit error allowed at the lossless settings (8-bit codes, fp16 windows).
@@ -90,7 +90,7 @@ def test_gemma2_gets_a_dense_reconstruction_or_a_refusal(method: str) -> None:
 
 def test_a_bypassing_layer_needs_the_hook_and_the_broken_output_is_real(monkeypatch) -> None:
     """The check is what stands between the user and wrong logits: show both sides."""
-    import veloxquant_mlx.integration.mlx_lm as glue
+    import veloxquant_mlx.adapter.mlx_lm as glue
 
     monkeypatch.setattr(glue, "_WARNED", set())  # the notice comes once per model/method
     model = tiny_model("gemma2")

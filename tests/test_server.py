@@ -25,9 +25,8 @@ import psutil
 import pytest
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.eval import loadtest
-from veloxquant_mlx.integration.server import check_loopback, free_port
-from veloxquant_mlx.integration.server_limits import (
+from veloxquant_mlx.apps.server import check_loopback, free_port
+from veloxquant_mlx.apps.server_limits import (
     ClientGone,
     KVBudget,
     KVCost,
@@ -37,6 +36,7 @@ from veloxquant_mlx.integration.server_limits import (
     measure_kv_cost,
     parse_size,
 )
+from veloxquant_mlx.eval import loadtest
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"] + [
@@ -249,7 +249,7 @@ def _batch_generator(model: Any, share: float = 0.5, stock: bool = False, step: 
                      ) -> Any:
     from mlx_lm.generate import BatchGenerator
 
-    from veloxquant_mlx.integration.server_batch import ServerBatchGenerator
+    from veloxquant_mlx.apps.server_batch import ServerBatchGenerator
 
     cls = BatchGenerator if stock else type("G", (ServerBatchGenerator,), {"prefill_share": share})
     return cls(model, completion_batch_size=8, prefill_batch_size=4, prefill_step_size=step)
@@ -311,7 +311,7 @@ def test_prefill_share_gives_decoders_their_time() -> None:
 def test_cancelled_prompt_is_dropped_before_its_next_step() -> None:
     from tiny_models import tiny_model
 
-    from veloxquant_mlx.integration.server import RequestCaches
+    from veloxquant_mlx.apps.server import RequestCaches
 
     class Ctx:
         stopped = False

@@ -5,10 +5,10 @@ from mlx_lm.generate import generate_step
 from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.adapter.mlx_lm import install_attention_routing
 from veloxquant_mlx.cache import LayerInfo
 from veloxquant_mlx.cache.snapkv import SnapKVCache, pool_scores, select_tokens
 from veloxquant_mlx.config import ConfigError
-from veloxquant_mlx.integration.mlx_lm import install_attention_routing
 
 install_attention_routing()
 

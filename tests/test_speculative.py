@@ -19,7 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder
-from veloxquant_mlx.integration.prompt_cache import NotTrimmableError, trim_prompt_cache
+from veloxquant_mlx.apps.prompt_cache import NotTrimmableError, trim_prompt_cache
 
 NEW_TOKENS = 16
 

@@ -16,11 +16,11 @@ from veloxquant_mlx import (
     load_prompt_cache,
     save_prompt_cache,
 )
+from veloxquant_mlx.apps.prompt_cache import trim_prompt_cache
 from veloxquant_mlx.cache import kvstore as ks
 from veloxquant_mlx.cache.base import NotTrimmableError
 from veloxquant_mlx.config import ConfigError
 from veloxquant_mlx.eval.memory import measure_retained
-from veloxquant_mlx.integration.prompt_cache import trim_prompt_cache
 
 TOKENS = [(i * 37 + 11) % 120 + 1 for i in range(120)]
 FOLLOW = (5, 9, 17, 33)

@@ -126,7 +126,7 @@ def test_frontier_shares_measurements_and_mixes_widths_per_budget(tmp_path: Path
 def test_cli_refuses_a_bad_budget_list(budget: str, tmp_path: Path, capsys,
                                        monkeypatch) -> None:
     from veloxquant_mlx import cli
-    from veloxquant_mlx.integration import blas
+    from veloxquant_mlx.apps import blas
 
     monkeypatch.setattr(blas, "ensure_fast_blas", lambda argv=None: None)
     with pytest.raises(SystemExit) as exit_info:

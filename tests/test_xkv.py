@@ -7,7 +7,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from test_memory import keep_dense_copy, no_buffer_cache  # noqa: F401 (a fixture)
 from tiny_models import tiny_model
 
-from veloxquant_mlx.builder import KVCacheBuilder, cache_stats
+from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
 from veloxquant_mlx.cache.base import LayerInfo
 from veloxquant_mlx.cache.xkv import XKVCache, linear_cka, link_groups
 from veloxquant_mlx.config import ConfigError, KVCacheConfig

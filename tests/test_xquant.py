@@ -8,7 +8,7 @@ from conftest import prefill_then_decode
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import tiny_model
 
-from veloxquant_mlx.builder import KVCacheBuilder, cache_stats
+from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
 from veloxquant_mlx.cache.xquant import XQuantCache, XQuantCLCache
 from veloxquant_mlx.cache.xquant_coordinator import XQuantCoordinator
 from veloxquant_mlx.cache.xquant_hook import (
@@ -197,7 +197,7 @@ def test_trim_continues_as_a_fresh_cache(llama, method, kwargs, cut):
 
 
 def test_unsupported_architecture_is_a_clear_error():
-    from veloxquant_mlx.eval.architectures import build_tiny
+    from veloxquant_mlx.testing.architectures import build_tiny
 
     # hunyuan's attention also reads another layer's kv_states, which the cached input
     # of this layer cannot reproduce.

@@ -5,16 +5,16 @@
     mlx_lm.generate(model, tokenizer, prompt, prompt_cache=caches)
 """
 
-from ._version import __version__
-from .builder import KVCacheBuilder, cache_stats
-from .config import ConfigError, KVCacheConfig
-from .integration.prompt_cache import (
+from veloxquant_mlx._version import __version__
+from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
+from veloxquant_mlx.apps.prompt_cache import (
     can_trim_prompt_cache,
     load_prompt_cache,
     save_prompt_cache,
     trim_prompt_cache,
 )
-from .registry import list_methods
+from veloxquant_mlx.config import ConfigError, KVCacheConfig
+from veloxquant_mlx.registry import list_methods
 
 __all__ = ["KVCacheBuilder", "KVCacheConfig", "ConfigError", "cache_stats", "list_methods",
            "save_prompt_cache", "load_prompt_cache", "can_trim_prompt_cache",

@@ -1,3 +1,3 @@
-from .cli import main
+from veloxquant_mlx.cli import main
 
 raise SystemExit(main())

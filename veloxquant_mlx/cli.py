@@ -7,14 +7,14 @@ import dataclasses
 import sys
 from typing import Any
 
-from .config import SHARED, ConfigError, KVCacheConfig, parse_value
-from .options import UNPREFIXED_01
+from veloxquant_mlx.config import SHARED, ConfigError, KVCacheConfig, parse_value
+from veloxquant_mlx.options import UNPREFIXED_01
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
-    from .integration.mlx_lm import UnsupportedModelError
-    from .integration.prompt_cache import NotTrimmableError, PromptCacheError
-    from .models.gguf import GGUFError
+    from veloxquant_mlx.adapter.mlx_lm import UnsupportedModelError
+    from veloxquant_mlx.apps.prompt_cache import NotTrimmableError, PromptCacheError
+    from veloxquant_mlx.models.gguf import GGUFError
 
     return (ConfigError, UnsupportedModelError, PromptCacheError, NotTrimmableError,
             FileNotFoundError, GGUFError)
@@ -22,7 +22,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 def _option_flags() -> dict[str, tuple[str, set[str], list[str]]]:
     """Option field -> (help, aliases, methods) over every registered method."""
-    from .registry import methods
+    from veloxquant_mlx.registry import methods
 
     flags: dict[str, tuple[str, set[str], list[str]]] = {}
     for name, cls in methods().items():
@@ -78,7 +78,7 @@ def config_from_args(args: argparse.Namespace) -> KVCacheConfig:
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
-    from .registry import list_methods
+    from veloxquant_mlx.registry import list_methods
 
     rows = list_methods()
     for r in rows:
@@ -94,8 +94,8 @@ def cmd_methods(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import mlx_lm
 
-    from .builder import KVCacheBuilder, cache_stats
-    from .integration.distributed import load_for_ranks
+    from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
+    from veloxquant_mlx.apps.distributed import load_for_ranks
 
     config = config_from_args(args)
     # Under mlx.launch: sharded over the ranks; rank 0 prints.
@@ -117,13 +117,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from veloxquant_mlx.apps.demo import run_demo
 
     return run_demo(method=args.method_spec, context=args.context)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .integration.server import serve
+    from veloxquant_mlx.apps.server import serve
 
     serve(args, config_from_args(args))
     return 0
@@ -146,7 +146,7 @@ def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _eval_specs(args: argparse.Namespace) -> list[Any]:
-    from .eval.perplexity import parse_specs
+    from veloxquant_mlx.eval.perplexity import parse_specs
 
     if args.methods:
         return [label for label, _ in parse_specs(args.methods)]
@@ -154,9 +154,15 @@ def _eval_specs(args: argparse.Namespace) -> list[Any]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .eval.sweep import EVAL_FULL, EVAL_QUICK, eval_markdown, run_eval, write_eval_outputs
-    from .eval.text import load_text
-    from .integration.distributed import load_for_ranks
+    from veloxquant_mlx.apps.distributed import load_for_ranks
+    from veloxquant_mlx.eval.sweep import (
+        EVAL_FULL,
+        EVAL_QUICK,
+        eval_markdown,
+        run_eval,
+        write_eval_outputs,
+    )
+    from veloxquant_mlx.eval.text import load_text
 
     specs = _eval_specs(args)  # bad specs fail before the model loads
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()] if args.contexts \
@@ -181,14 +187,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.matmul:
-        from .eval import matmul_bench
+        from veloxquant_mlx.eval import matmul_bench
 
         matmul_bench.main([])
         return 0
-    from .eval.perplexity import parse_specs
-    from .eval.report import write_json
-    from .eval.sweep import run_sweep
-    from .models import load
+    from veloxquant_mlx.eval.perplexity import parse_specs
+    from veloxquant_mlx.eval.report import write_json
+    from veloxquant_mlx.eval.sweep import run_sweep
+    from veloxquant_mlx.models import load
 
     parse_specs(args.methods)  # bad specs fail before the model loads
     contexts = None
@@ -236,8 +242,8 @@ def _parse_budgets(text: str) -> list[float]:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .eval.text import load_text
-    from .eval.tune import (
+    from veloxquant_mlx.eval.text import load_text
+    from veloxquant_mlx.eval.tune import (
         FULL,
         QUICK,
         TuneParams,
@@ -247,7 +253,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         run_tune,
         tune_markdown,
     )
-    from .models import load
+    from veloxquant_mlx.models import load
 
     if (args.budget is None) == (args.max_memory is None):
         raise ConfigError("tune: give exactly one of --budget (a fraction of fp16) and "
@@ -383,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tune_parser(sub)
 
     # serve subcommand
-    from .integration.server import add_serve_arguments
+    from veloxquant_mlx.apps.server import add_serve_arguments
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (mlx_lm.server) "
                        "with compressed caches")
@@ -395,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .integration.blas import ensure_fast_blas
+    from veloxquant_mlx.apps.blas import ensure_fast_blas
 
     ensure_fast_blas(argv)
     parser = build_parser()

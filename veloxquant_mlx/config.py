@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .options import ConfigError, MethodOptions, config_error
+from veloxquant_mlx.options import ConfigError, MethodOptions, config_error
 
 __all__ = ["ConfigError", "KVCacheConfig", "config_error", "parse_value"]
 
@@ -37,7 +37,7 @@ _LEGACY_SHARED = ("method", "max_ctx", "window_dtype", "extra")
 
 
 def _options_class(method: Any) -> type[MethodOptions]:
-    from .registry import get_method
+    from veloxquant_mlx.registry import get_method
 
     if not isinstance(method, str):
         raise config_error("method", method, "a method name string")
@@ -224,7 +224,7 @@ class KVCacheConfig:
 
 def _known_legacy_field(key: str) -> bool:
     """Whether ``key`` was a field of 0.1's flat config (of some method)."""
-    from .registry import methods
+    from veloxquant_mlx.registry import methods
 
     return key in ("bits", "group_size", "window") or any(
         cls.Options.resolve_name(key) is not None for cls in methods().values())
@@ -248,7 +248,7 @@ def parse_value(raw: str) -> Any:
 # ---------------------------------------------------------------- shared switches
 def _check_rotatable(method: str, options: MethodOptions) -> None:
     """``rotate=True`` needs a method whose stored K/V only meet queries in dot products."""
-    from .registry import get_method, methods
+    from veloxquant_mlx.registry import get_method, methods
 
     if not getattr(get_method(method), "rotatable", False):
         able = sorted(n for n, c in methods().items() if getattr(c, "rotatable", False))
@@ -318,7 +318,7 @@ def _layer_overrides(layers: Any, method: str, options: MethodOptions
     if not isinstance(layers, dict):
         raise config_error("layers", layers, "a dict {layer: {option: value}} or a string "
                            "such as '0-3:bits=4/10:bits=3'")
-    from .registry import get_method
+    from veloxquant_mlx.registry import get_method
 
     if get_method(method).cross_layer:
         raise config_error("layers", layers, f"None for method {method!r}: per-layer "

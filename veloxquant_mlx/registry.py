@@ -28,7 +28,7 @@ def register(cls: type) -> type:
     if "Options" not in cls.__dict__:
         # Each method owns its options class; a method without options gets its own
         # empty subclass so that error messages name it.
-        from .options import MethodOptions
+        from veloxquant_mlx.options import MethodOptions
 
         cls.Options = type(f"{cls.__name__}Options", (MethodOptions,), {})
     cls.Options.method = name
@@ -56,7 +56,7 @@ def get_method(name: str) -> type:
     """The cache class of method ``name``; unknown names list the known ones."""
     found = methods().get(name)
     if found is None:
-        from .options import config_error
+        from veloxquant_mlx.options import config_error
 
         raise config_error("method", name, f"one of {sorted(_METHODS)}")
     return found

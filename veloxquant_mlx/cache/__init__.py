@@ -1,5 +1,5 @@
 """Per-layer caches (one file per method) and the cross-layer coordinators."""
 
-from .base import CompressedCache, LayerInfo
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
 
 __all__ = ["CompressedCache", "LayerInfo"]

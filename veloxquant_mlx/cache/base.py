@@ -8,7 +8,7 @@ Required (abstract): ``update_and_fetch``, ``held_arrays``, ``accounted_bytes`` 
 ``state`` (property and setter). Optional capabilities, with the defaults below:
 
 - ``attends = True`` + ``attend(queries, scale, mask)``: the cache runs attention over
-  its compressed form; the attention routing (``integration.mlx_lm``) calls it, and
+  its compressed form; the attention routing (``adapter.mlx_lm``) calls it, and
   ``update_and_fetch`` returns only the new chunk, never a reconstruction.
 - ``dense_kv()``: a transient dense copy for diagnostics (reconstruction error).
 - ``is_trimmable()`` / ``trim(n)``: drop tokens from the end (default: not trimmable).
@@ -28,8 +28,8 @@ from typing import Any, ClassVar
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from ..config import KVCacheConfig
-from ..options import MethodOptions, config_error
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.options import MethodOptions, config_error
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -217,7 +217,7 @@ class CompressedCache(_BaseCache, ABC):
 
     def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
         """A transient dense copy of the keys/values held (diagnostics, and layers whose
-        attention does not reach ``attend``: see ``integration.mlx_lm``)."""
+        attention does not reach ``attend``: see ``adapter.mlx_lm``)."""
         raise NotImplementedError(f"{type(self).__name__} ({self.method!r}) has no dense "
                                   "reconstruction of its keys and values")
 
@@ -241,7 +241,7 @@ class CompressedCache(_BaseCache, ABC):
             raise NotImplementedError(
                 f"method {cls.method!r} does not support batch merging: generate one "
                 "sequence at a time")
-        from .batch import BatchedCache
+        from veloxquant_mlx.cache.batch import BatchedCache
 
         return BatchedCache.merge(caches)
 

@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from ..ops.attention import sdpa
+from veloxquant_mlx.ops.attention import sdpa
 
 
 class BatchedCache(_BaseCache):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..registry import register
-from .base import CompressedCache
+from veloxquant_mlx.cache.base import CompressedCache
+from veloxquant_mlx.registry import register
 
 
 @register

@@ -29,13 +29,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig
-from ..ops import quantize as q
-from ..ops.attention import Slot, attend_parts, slot_parts
-from ..ops.buffers import TokenBuffer
-from ..options import MethodOptions
-from ..registry import register
-from .base import CompressedCache, LayerInfo, require_group_divides
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, require_group_divides
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops.attention import Slot, attend_parts, slot_parts
+from veloxquant_mlx.ops.buffers import TokenBuffer
+from veloxquant_mlx.options import MethodOptions
+from veloxquant_mlx.registry import register
 
 KIVI_BITS = (2, 4)
 

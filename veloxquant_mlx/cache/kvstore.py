@@ -22,9 +22,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..ops import codebook as cb
-from ..ops import quantize as q
-from ..ops.buffers import TokenBuffer
+from veloxquant_mlx.ops import codebook as cb
+from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops.buffers import TokenBuffer
 
 STORES = ("dense", "affine", "codebook")
 CODEBOOK_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4)

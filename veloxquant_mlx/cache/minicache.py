@@ -18,13 +18,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig
-from ..ops import quantize as q
-from ..ops.attention import sdpa
-from ..options import MethodOptions, config_error
-from ..registry import register
-from .base import CompressedCache, LayerInfo
-from .minicache_coordinator import MiniCacheCoordinator, keep_tokens
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
+from veloxquant_mlx.cache.minicache_coordinator import MiniCacheCoordinator, keep_tokens
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops.attention import sdpa
+from veloxquant_mlx.options import MethodOptions, config_error
+from veloxquant_mlx.registry import register
 
 RETENTION_RULES = ("fraction", "paper")
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..ops import quantize as q
-from .base import NotTrimmableError
+from veloxquant_mlx.cache.base import NotTrimmableError
+from veloxquant_mlx.ops import quantize as q
 
 
 def slerp_merge(x0: mx.array, x1: mx.array, t: float

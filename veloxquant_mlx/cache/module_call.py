@@ -1,7 +1,7 @@
 """Calling an mlx_lm attention module on its own arguments, one batch row at a time.
 
 Hooks that take over how an attention module uses its cache (the dense reconstruction
-view of ``integration.mlx_lm``, XQuant's X hook) need the module's input, mask and
+view of ``adapter.mlx_lm``, XQuant's X hook) need the module's input, mask and
 cache from calls whose signatures differ a little between families
 (``x, mask=None, cache=None, ...``). ``bind_call`` names them from the signature;
 ``call_per_row`` runs a batch of per-sequence caches (``BatchedCache``) one row at a

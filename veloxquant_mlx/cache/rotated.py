@@ -31,9 +31,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig
-from ..ops.rotation import shared_rotation
-from .base import LAYER_RESTORERS, CompressedCache, LayerInfo
+from veloxquant_mlx.cache.base import LAYER_RESTORERS, CompressedCache, LayerInfo
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.ops.rotation import shared_rotation
 
 SEED = 0
 _CLASSES: dict[type, type] = {}

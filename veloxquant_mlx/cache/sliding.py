@@ -30,8 +30,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import RotatingKVCache
 
-from ..config import KVCacheConfig
-from .base import LAYER_RESTORERS, CompressedCache, LayerInfo
+from veloxquant_mlx.cache.base import LAYER_RESTORERS, CompressedCache, LayerInfo
+from veloxquant_mlx.config import KVCacheConfig
 
 
 def _front(a: mx.array | None, n: int, axis: int) -> mx.array | None:

@@ -34,13 +34,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig
-from ..ops.attention import attention_weights, sdpa, split_attention
-from ..ops.buffers import TokenBuffer
-from ..options import MethodOptions
-from ..registry import register
-from . import kvstore as ks
-from .base import CompressedCache, LayerInfo, NotTrimmableError
+from veloxquant_mlx.cache import kvstore as ks
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, NotTrimmableError
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.ops.attention import attention_weights, sdpa, split_attention
+from veloxquant_mlx.ops.buffers import TokenBuffer
+from veloxquant_mlx.options import MethodOptions
+from veloxquant_mlx.registry import register
 
 POOLINGS = ("max", "avg")
 

@@ -36,13 +36,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig
-from ..ops.attention import split_attention
-from ..options import MethodOptions
-from ..registry import register
-from . import kvstore as ks
-from .base import CompressedCache, LayerInfo, NotTrimmableError
-from .sliding import sliding_window_of
+from veloxquant_mlx.cache import kvstore as ks
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, NotTrimmableError
+from veloxquant_mlx.cache.sliding import sliding_window_of
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.ops.attention import split_attention
+from veloxquant_mlx.options import MethodOptions
+from veloxquant_mlx.registry import register
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ class StreamingCache(CompressedCache):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                     mask=band)
 
-    # ---- layers that attend by themselves (see integration.mlx_lm) ----
+    # ---- layers that attend by themselves (see adapter.mlx_lm) ----
     def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
         """What the last chunk attends over, as ``attend`` would: sinks, the window
         before it and the chunk in time order (one token: everything held, any order);

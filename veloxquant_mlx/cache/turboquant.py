@@ -31,15 +31,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig
-from ..ops import codebook as cb
-from ..ops import quantize as q
-from ..ops.attention import Slot, attend_parts, slot_parts
-from ..ops.buffers import TokenBuffer
-from ..ops.rotation import shared_rotation
-from ..options import MethodOptions, config_error
-from ..registry import register
-from .base import CompressedCache, LayerInfo
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.ops import codebook as cb
+from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops.attention import Slot, attend_parts, slot_parts
+from veloxquant_mlx.ops.buffers import TokenBuffer
+from veloxquant_mlx.ops.rotation import shared_rotation
+from veloxquant_mlx.options import MethodOptions, config_error
+from veloxquant_mlx.registry import register
 
 QUANTIZERS = ("codebook", "affine")
 CODEBOOK_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4)

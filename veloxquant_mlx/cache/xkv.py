@@ -41,15 +41,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig
-from ..ops import factors as fr
-from ..ops import quantize as q
-from ..ops.attention import masked_softmax
-from ..ops.rope import rotate, unrotate
-from ..options import MethodOptions, config_error
-from ..registry import register
-from .base import CompressedCache, LayerInfo, NotTrimmableError
-from .xkv_coordinator import XKVCoordinator
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, NotTrimmableError
+from veloxquant_mlx.cache.xkv_coordinator import XKVCoordinator
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.ops import factors as fr
+from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops.attention import masked_softmax
+from veloxquant_mlx.ops.rope import rotate, unrotate
+from veloxquant_mlx.options import MethodOptions, config_error
+from veloxquant_mlx.registry import register
 
 FACTOR_DTYPE = mx.float16  # unquantized factors and means are stored in float16
 STREAMS = ("keys", "values")

@@ -41,7 +41,7 @@ import math
 
 import mlx.core as mx
 
-from ..ops.svd import truncated_svd
+from veloxquant_mlx.ops.svd import truncated_svd
 
 STREAMS = ("keys", "values")
 

@@ -23,14 +23,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig
-from ..ops import factors as fr
-from ..ops import quantize as q
-from ..options import MethodOptions, config_error
-from ..registry import register
-from .base import CompressedCache, LayerInfo
-from .xquant_coordinator import XQuantCoordinator
-from .xquant_hook import install_x_hook, uninstall_x_hook, x_hook_installed
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
+from veloxquant_mlx.cache.xquant_coordinator import XQuantCoordinator
+from veloxquant_mlx.cache.xquant_hook import install_x_hook, uninstall_x_hook, x_hook_installed
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.ops import factors as fr
+from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.options import MethodOptions, config_error
+from veloxquant_mlx.registry import register
 
 
 @dataclass(frozen=True)

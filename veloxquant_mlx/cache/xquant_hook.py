@@ -27,10 +27,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import UnsupportedModelError
-from ..ops.attention import masked_softmax, sdpa
-from .base import LayerInfo
-from .module_call import ModuleCall, bind_call, call_per_row
+from veloxquant_mlx.cache.base import LayerInfo
+from veloxquant_mlx.cache.module_call import ModuleCall, bind_call, call_per_row
+from veloxquant_mlx.errors import UnsupportedModelError
+from veloxquant_mlx.ops.attention import masked_softmax, sdpa
 
 XQUANT_ATTENTION_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
 _X_SUBCLASSES: dict[type, type] = {}

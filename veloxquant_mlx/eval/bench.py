@@ -35,11 +35,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..builder import KVCacheBuilder
-from ..integration.mlx_lm import attention_routing
-from ..ops.attention import sdpa, slot_parts, split_attention
-from .memory import CacheSource, active_bytes, build_caches, measure_retained
-from .perplexity import Method, Spec, check_model_context, resolve_methods
+from veloxquant_mlx.adapter.builder import KVCacheBuilder
+from veloxquant_mlx.adapter.mlx_lm import attention_routing
+from veloxquant_mlx.eval.memory import CacheSource, active_bytes, build_caches, measure_retained
+from veloxquant_mlx.eval.perplexity import Method, Spec, check_model_context, resolve_methods
+from veloxquant_mlx.ops.attention import sdpa, slot_parts, split_attention
 
 
 def _rss() -> int:
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--methods", default="none,affine:bits=4,kivi:bits=2,turboquant")
     p.add_argument("--rounds", type=int, default=10)
     args = p.parse_args(argv)
-    from ..models import load
+    from veloxquant_mlx.models import load
 
     model, _ = load()
     rows = profile_decode(model, args.methods.split(";") if ";" in args.methods
@@ -277,13 +277,13 @@ def main(argv: list[str] | None = None) -> None:
 
 def _split_specs(text: str) -> list[str]:
     """``"none,affine:bits=4,group_size=32,kivi"`` -> one spec per method."""
-    from .perplexity import parse_specs
+    from veloxquant_mlx.eval.perplexity import parse_specs
 
     return [label for label, _ in parse_specs(text)]
 
 
 if __name__ == "__main__":
-    from ..integration.blas import ensure_fast_blas
+    from veloxquant_mlx.apps.blas import ensure_fast_blas
 
     ensure_fast_blas()
     main()

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..integration.server import free_port
+from veloxquant_mlx.apps.server import free_port
 
 # Common English words that SmolLM2's tokenizer encodes as one token each (with the
 # leading space), so a prompt of n words is about n tokens.

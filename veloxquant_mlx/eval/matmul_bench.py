@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from veloxquant_mlx.integration import blas
+from veloxquant_mlx.apps import blas
 
 _CHILD_FLAG = "--child"
 

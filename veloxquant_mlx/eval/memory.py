@@ -25,9 +25,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..builder import KVCacheBuilder, cache_stats
-from ..config import KVCacheConfig
-from ..prefill import prefill
+from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
+from veloxquant_mlx.adapter.prefill import prefill
+from veloxquant_mlx.config import KVCacheConfig
 
 # A config, or a function building the caches (lets tests measure hand-made caches).
 CacheSource = KVCacheConfig | Callable[[nn.Module], list[Any]]

@@ -34,11 +34,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from ..builder import KVCacheBuilder
-from ..cache.base import LayerInfo
-from ..cache.rotated import rotated_class, wants_rotation
-from ..config import KVCacheConfig
-from ..registry import get_method
+from veloxquant_mlx.adapter.builder import KVCacheBuilder
+from veloxquant_mlx.cache.base import LayerInfo
+from veloxquant_mlx.cache.rotated import rotated_class, wants_rotation
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.registry import get_method
 
 
 @dataclass(frozen=True)

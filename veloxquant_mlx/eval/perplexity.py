@@ -1,7 +1,7 @@
 """Scoring tokens through a compressed cache, and method specs.
 
 Protocol: prefill ``context`` tokens through the caches in chunks of ``chunk``
-(:func:`veloxquant_mlx.prefill.prefill`, as mlx_lm does), then teacher-force the next
+(:func:`veloxquant_mlx.adapter.prefill.prefill`, as mlx_lm does), then teacher-force the next
 ``predict`` tokens one decode step at a time. The logits of the last prefill position
 score token ``context``; each of the ``predict - 1`` decode steps feeds the true token
 and scores the next one. All ``predict`` scored tokens therefore depend on keys and
@@ -25,10 +25,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..builder import cache_stats
-from ..config import KVCacheConfig
-from ..prefill import prefill
-from .memory import CacheSource, build_caches
+from veloxquant_mlx.adapter.builder import cache_stats
+from veloxquant_mlx.adapter.prefill import prefill
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.eval.memory import CacheSource, build_caches
 
 Spec = str | KVCacheConfig | tuple[str, Callable[[nn.Module], list[Any]]]
 

@@ -33,8 +33,8 @@ from typing import Any
 import mlx.nn as nn
 import numpy as np
 
-from .memory import measure_retained
-from .perplexity import (
+from veloxquant_mlx.eval.memory import measure_retained
+from veloxquant_mlx.eval.perplexity import (
     Method,
     Spec,
     WindowScores,
@@ -43,7 +43,7 @@ from .perplexity import (
     resolve_methods,
     score_window,
 )
-from .text import encode, load_text, token_windows
+from veloxquant_mlx.eval.text import encode, load_text, token_windows
 
 LEVEL = 0.95
 

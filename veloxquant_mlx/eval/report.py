@@ -111,7 +111,7 @@ def run_record(argv: list[str] | None = None, **extra: Any) -> dict[str, Any]:
         except md.PackageNotFoundError:
             versions[pkg] = None
     if versions["veloxquant_mlx"] is None:
-        from .. import __version__
+        from veloxquant_mlx import __version__
 
         versions["veloxquant_mlx"] = __version__
     return {

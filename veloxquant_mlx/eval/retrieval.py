@@ -34,11 +34,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..builder import cache_stats
-from ..prefill import prefill
-from .memory import measure_retained
-from .perplexity import Method, Spec, check_model_context, resolve_methods
-from .text import encode, load_text
+from veloxquant_mlx.adapter.builder import cache_stats
+from veloxquant_mlx.adapter.prefill import prefill
+from veloxquant_mlx.eval.memory import measure_retained
+from veloxquant_mlx.eval.perplexity import Method, Spec, check_model_context, resolve_methods
+from veloxquant_mlx.eval.text import encode, load_text
 
 TASKS = ("passkey", "needle", "needle_multi", "kv")
 

@@ -23,14 +23,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .loadtest import ENGLISH, ServerProcess, Spec, chat, get_json, run_specs, summarize, words
+from veloxquant_mlx.eval.loadtest import (
+    ENGLISH,
+    ServerProcess,
+    Spec,
+    chat,
+    get_json,
+    run_specs,
+    summarize,
+    words,
+)
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 
 
 def model_folder() -> str:
     """The embedded model converted to an mlx_lm folder (what ``load()`` reads)."""
-    from ..models import cached_conversion, default_model_path
+    from veloxquant_mlx.models import cached_conversion, default_model_path
 
     folder, _ = cached_conversion(default_model_path(), "float32")
     return str(folder)

@@ -18,10 +18,10 @@ from typing import Any
 
 import mlx.nn as nn
 
-from .bench import bench_methods
-from .perplexity import Spec, resolve_methods
-from .quality import evaluate_quality
-from .report import (
+from veloxquant_mlx.eval.bench import bench_methods
+from veloxquant_mlx.eval.perplexity import Spec, resolve_methods
+from veloxquant_mlx.eval.quality import evaluate_quality
+from veloxquant_mlx.eval.report import (
     EVAL_COLUMNS,
     RETRIEVAL_COLUMNS,
     _fmt,
@@ -31,7 +31,7 @@ from .report import (
     run_record,
     write_json,
 )
-from .text import encode, load_text
+from veloxquant_mlx.eval.text import encode, load_text
 
 # bench --quick: about a minute on the embedded model (2 idle cores).
 QUICK = {"contexts": (512,), "eval_context": 512, "predict": 64, "windows": 2, "block": 16,
@@ -84,7 +84,7 @@ def run_eval(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
     ``params``: ``EVAL_FULL`` keys (contexts, predict, windows, block, n_boot, samples,
     memory_steps); missing ones take the ``EVAL_FULL`` values.
     """
-    from .retrieval import evaluate_retrieval
+    from veloxquant_mlx.eval.retrieval import evaluate_retrieval
 
     p = resolve_params(EVAL_FULL, **(params or {}))
     resolve_methods(specs)  # every spec is checked before anything runs

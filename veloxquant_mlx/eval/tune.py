@@ -36,13 +36,13 @@ from typing import Any
 
 import mlx.nn as nn
 
-from ..builder import KVCacheBuilder
-from ..config import KVCacheConfig
-from ..registry import methods
-from . import mixed
-from .memory import measure_retained
-from .quality import evaluate_quality
-from .text import encode, load_text, token_windows
+from veloxquant_mlx.adapter.builder import KVCacheBuilder
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.eval import mixed
+from veloxquant_mlx.eval.memory import measure_retained
+from veloxquant_mlx.eval.quality import evaluate_quality
+from veloxquant_mlx.eval.text import encode, load_text, token_windows
+from veloxquant_mlx.registry import methods
 
 QUICK = {"context": 1024, "predict": 64, "windows": 2}
 FULL = {"predict": 128, "windows": 4}

@@ -35,8 +35,8 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
-from . import codebook as cb
-from . import quantize as q
+from veloxquant_mlx.ops import codebook as cb
+from veloxquant_mlx.ops import quantize as q
 
 DECODE_ROWS = 16  # query rows per KV head (heads per group x tokens) of the decode path
 KEY_BLOCK = 4096  # most keys per block of the prefill path

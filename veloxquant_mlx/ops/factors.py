@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import quantize as q
+from veloxquant_mlx.ops import quantize as q
 
 ROW_GROUP = 32  # quantization group along the rank axis
 FAST_BITS = (2, 4, 8)  # code widths read through a byte view

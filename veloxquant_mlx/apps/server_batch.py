@@ -34,8 +34,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
-from ..cache.batch import BatchedCache
-from .server_limits import ServerLimits, Ticket
+from veloxquant_mlx.apps.server_limits import ServerLimits, Ticket
+from veloxquant_mlx.cache.batch import BatchedCache
 
 MIN_ROW_CHUNK = 32
 SAMPLE_EVERY = 8  # decode steps between two readings of real memory

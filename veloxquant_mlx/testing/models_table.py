@@ -36,21 +36,21 @@ import mlx.nn as nn
 from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from .. import KVCacheBuilder, KVCacheConfig
-from ..cache.base import CompressedCache, NotTrimmableError
-from ..cache.sliding import SlidingCache
-from ..config import ConfigError
-from ..errors import UnsupportedModelError
-from ..integration.mlx_lm import reconstruction_installed
-from ..integration.prompt_cache import (
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.adapter.mlx_lm import reconstruction_installed
+from veloxquant_mlx.adapter.prefill import prefill
+from veloxquant_mlx.apps.prompt_cache import (
     can_trim_prompt_cache,
     load_prompt_cache,
     save_prompt_cache,
     trim_prompt_cache,
 )
-from ..prefill import prefill
-from .architectures import SURVEY, build_tiny
-from .memory import active_bytes
+from veloxquant_mlx.cache.base import CompressedCache, NotTrimmableError
+from veloxquant_mlx.cache.sliding import SlidingCache
+from veloxquant_mlx.config import ConfigError
+from veloxquant_mlx.errors import UnsupportedModelError
+from veloxquant_mlx.eval.memory import active_bytes
+from veloxquant_mlx.testing.architectures import SURVEY, build_tiny
 
 PROMPT = [(i * 37 + 11) % 120 + 1 for i in range(24)]
 CHUNK = 16  # the prompt is fed in chunks of 16 and 8 (a sliding window of 4 is crossed)

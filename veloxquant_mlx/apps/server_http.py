@@ -29,8 +29,8 @@ from typing import Any
 
 from mlx_lm import server as mlx_server
 
-from .server_batch import bind_batch_generator
-from .server_limits import ClientGone, LimitError, ServerLimits, Ticket
+from veloxquant_mlx.apps.server_batch import bind_batch_generator
+from veloxquant_mlx.apps.server_limits import ClientGone, LimitError, ServerLimits, Ticket
 
 # The ticket and socket of the request a handler thread is serving.
 _handler = threading.local()

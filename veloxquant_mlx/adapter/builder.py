@@ -1,7 +1,7 @@
 """``KVCacheBuilder.for_model``: one cache per KV cache slot for any mlx_lm model.
 
 What a method compresses comes from the model itself. ``probe_model`` runs a two-token
-probe with a stand-in in every KV slot of ``model.make_cache()`` (``integration.mlx_lm``)
+probe with a stand-in in every KV slot of ``model.make_cache()`` (``adapter.mlx_lm``)
 and learns each slot's real shapes, the module that updates it and how its attention
 runs, whatever the projections are called. Plain full-attention slots (mlx_lm's
 ``KVCache``) get the method's cache; sliding-window slots (``RotatingKVCache``) get it
@@ -20,12 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from .cache.base import CompressedCache, LayerInfo
-from .cache.rotated import rotated_class, wants_rotation
-from .cache.sliding import SlidingCache, sliding_mode
-from .config import ConfigError, KVCacheConfig
-from .errors import UnsupportedModelError
-from .integration.mlx_lm import (
+from veloxquant_mlx.adapter.mlx_lm import (
     SlotProbe,
     check_attention_routing,
     install_attention_routing,
@@ -37,7 +32,12 @@ from .integration.mlx_lm import (
     uninstall_attention_routing,
     uninstall_reconstruction,
 )
-from .registry import get_method, methods
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
+from veloxquant_mlx.cache.rotated import rotated_class, wants_rotation
+from veloxquant_mlx.cache.sliding import SlidingCache, sliding_mode
+from veloxquant_mlx.config import ConfigError, KVCacheConfig
+from veloxquant_mlx.errors import UnsupportedModelError
+from veloxquant_mlx.registry import get_method, methods
 
 
 def _block_of(blocks: list[nn.Module], module: nn.Module | None) -> nn.Module | None:

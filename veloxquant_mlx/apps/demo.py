@@ -8,8 +8,8 @@ from typing import Any
 import mlx.nn as nn
 import mlx_lm
 
-from .builder import KVCacheBuilder
-from .config import KVCacheConfig
+from veloxquant_mlx.adapter.builder import KVCacheBuilder
+from veloxquant_mlx.config import KVCacheConfig
 
 QUESTION = "What is the capital of France?"
 
@@ -27,8 +27,8 @@ def answer(model: nn.Module, tokenizer: Any, config: KVCacheConfig,
 def memory_table(model: nn.Module, tokenizer: Any, configs: list[KVCacheConfig],
                  context: int) -> list[dict[str, Any]]:
     """Real (allocator) and declared bytes of every config after ``context`` tokens."""
-    from .eval.memory import measure_retained
-    from .eval.text import stdlib_text
+    from veloxquant_mlx.eval.memory import measure_retained
+    from veloxquant_mlx.eval.text import stdlib_text
 
     # About 4 characters per token: encode only a prefix that surely covers the context.
     tokens = tokenizer.encode(stdlib_text()[: context * 12])[:context]
@@ -47,14 +47,14 @@ def memory_table(model: nn.Module, tokenizer: Any, configs: list[KVCacheConfig],
 
 def describe(config: KVCacheConfig) -> str:
     """Short label: the method and the options that differ from the defaults."""
-    from .eval.perplexity import config_label
+    from veloxquant_mlx.eval.perplexity import config_label
 
     return config_label(config)
 
 
 def run_demo(method: str = "affine:bits=4", context: int = 1024) -> int:
     """Print the answers and the memory table of dense and ``method``."""
-    from .models import load
+    from veloxquant_mlx.models import load
 
     config = KVCacheConfig.from_string(method)
     dense = KVCacheConfig()

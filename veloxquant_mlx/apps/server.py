@@ -32,7 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import KVCacheConfig
+from veloxquant_mlx.config import KVCacheConfig
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -55,8 +55,8 @@ class FreshCachePool:
         self.pending_ticket: Any = None
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any], list[int]]:
-        from ..builder import KVCacheBuilder
-        from ..cache.base import CompressedCache
+        from veloxquant_mlx.adapter.builder import KVCacheBuilder
+        from veloxquant_mlx.cache.base import CompressedCache
 
         self.served += 1
         caches = RequestCaches(KVCacheBuilder.for_model(self.model_provider.model, self.config))
@@ -107,7 +107,7 @@ def check_loopback(host: str) -> None:
 def _provider_class() -> type:
     from mlx_lm import server as mlx_server
 
-    from ..models import load
+    from veloxquant_mlx.models import load
 
     class VeloxModelProvider(mlx_server.ModelProvider):
         """Loads through ``veloxquant_mlx.models.load`` (GGUF, embedded, mlx folders)."""
@@ -158,8 +158,12 @@ def serve(args: argparse.Namespace, config: KVCacheConfig) -> None:
     """Run the server until interrupted (blocking)."""
     from mlx_lm import server as mlx_server
 
-    from .server_http import BackloggedHTTPServer, LimitedAPIHandler, LimitedResponseGenerator
-    from .server_limits import ServerLimits, format_bytes
+    from veloxquant_mlx.apps.server_http import (
+        BackloggedHTTPServer,
+        LimitedAPIHandler,
+        LimitedResponseGenerator,
+    )
+    from veloxquant_mlx.apps.server_limits import ServerLimits, format_bytes
 
     check_loopback(args.host)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -170,7 +174,9 @@ def serve(args: argparse.Namespace, config: KVCacheConfig) -> None:
                           chunk=args.prefill_step_size)
     provider = _provider_class()(build_server_args(args))
     pool = FreshCachePool(provider, config, limits)
-    from .distributed import response_generator  # under mlx.launch: shards; rank 0 returns
+    from veloxquant_mlx.apps.distributed import (
+        response_generator,  # under mlx.launch: shards; rank 0 returns
+    )
 
     generator = response_generator(LimitedResponseGenerator, provider, pool, limits,
                                    args.prefill_share)
@@ -198,8 +204,8 @@ def _exit_with(error: Exception) -> None:
     ("terminate called without an active exception") once a thread that ran the model
     has ended, so the process ends here, with the CLI's message and exit status.
     """
-    from .mlx_lm import UnsupportedModelError
-    from .server_limits import ConfigError
+    from veloxquant_mlx.adapter.mlx_lm import UnsupportedModelError
+    from veloxquant_mlx.apps.server_limits import ConfigError
 
     user_error = isinstance(error, (ConfigError, UnsupportedModelError, FileNotFoundError))
     if not user_error:
@@ -225,7 +231,7 @@ def _checked(kind: type, name: str, minimum: float, maximum: float | None = None
 
 
 def _size(text: str) -> int:
-    from .server_limits import parse_size
+    from veloxquant_mlx.apps.server_limits import parse_size
 
     try:
         return parse_size(text)

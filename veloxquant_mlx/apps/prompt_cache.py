@@ -21,13 +21,18 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .._version import __version__
-from ..builder import KVCacheBuilder
-from ..cache.base import CompressedCache, LayerInfo, NotTrimmableError
-from ..config import KVCacheConfig
-from ..registry import get_method
-from .distributed import rank_path, saved_world_hint, shard_header, shard_mismatch
-from .mlx_lm import check_attention_routing, install_attention_routing
+from veloxquant_mlx._version import __version__
+from veloxquant_mlx.adapter.builder import KVCacheBuilder
+from veloxquant_mlx.adapter.mlx_lm import check_attention_routing, install_attention_routing
+from veloxquant_mlx.apps.distributed import (
+    rank_path,
+    saved_world_hint,
+    shard_header,
+    shard_mismatch,
+)
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, NotTrimmableError
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.registry import get_method
 
 __all__ = ["NotTrimmableError", "PromptCacheError", "can_trim_prompt_cache",
            "load_prompt_cache", "read_prompt_cache_header", "save_prompt_cache",

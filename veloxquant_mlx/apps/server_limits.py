@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ConfigError, KVCacheConfig
+from veloxquant_mlx.config import ConfigError, KVCacheConfig
 
 # Dense caches (mlx_lm's KVCache and ``none``) grow in steps of this many tokens.
 TOKEN_STEP = 256
@@ -128,7 +128,7 @@ def probe_tokens(model: Any, n: int) -> list[int]:
 
 def _line(model: Any, config: KVCacheConfig, probe: int, chunk: int
           ) -> tuple[float, int, tuple[int, int]]:
-    from ..eval.memory import measure_retained
+    from veloxquant_mlx.eval.memory import measure_retained
 
     real = tuple(measure_retained(model, config, probe_tokens(model, n), decode_steps=0,
                                   chunk=chunk)["real_prefill_bytes"] for n in (probe, 2 * probe))

@@ -51,8 +51,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..options import ConfigError, config_error
-from .mlx_lm import UnsupportedModelError, attention_layout, attention_module, model_layers
+from veloxquant_mlx.adapter.mlx_lm import (
+    UnsupportedModelError,
+    attention_layout,
+    attention_module,
+    model_layers,
+)
+from veloxquant_mlx.options import ConfigError, config_error
 
 __all__ = ["RankMismatchError", "ShardPlan", "ShardingError", "check_same_on_ranks",
            "load_for_ranks", "plan_sharding", "rank_path", "replication_warning",
@@ -490,7 +495,7 @@ def load_for_ranks(name_or_path: str | None = None, args: Any = None,
     cache is replicated. Only rank 0 writes stdout and output files (``args.json`` /
     ``args.plot`` are cleared on the other ranks).
     """
-    from ..models import load
+    from veloxquant_mlx.models import load
 
     group = world()
     if group is None:
@@ -514,7 +519,7 @@ def load_for_ranks(name_or_path: str | None = None, args: Any = None,
 
 
 def _as_config(config: Any) -> Any:
-    from ..config import KVCacheConfig
+    from veloxquant_mlx.config import KVCacheConfig
 
     if isinstance(config, str):
         try:

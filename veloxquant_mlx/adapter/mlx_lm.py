@@ -41,8 +41,8 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from ..cache.module_call import bind_call, call_per_row
-from ..errors import UnsupportedModelError
+from veloxquant_mlx.cache.module_call import bind_call, call_per_row
+from veloxquant_mlx.errors import UnsupportedModelError
 
 __all__ = ["AttentionLayout", "SlotProbe", "UnsupportedModelError", "attention_layout",
            "attention_module", "attention_routing", "check_attention_routing",
@@ -545,14 +545,14 @@ _WARNED: set[tuple[str, str]] = set()
 def method_caps(cls: type) -> tuple[bool, bool, bool]:
     """Whether a cache class attends itself, can rebuild dense K/V, and takes over the
     owning module's call with a hook of its own (XQuant's ``update_x``)."""
-    from ..cache.base import CompressedCache
+    from veloxquant_mlx.cache.base import CompressedCache
 
     return (bool(cls.attends), cls.dense_kv is not CompressedCache.dense_kv,
             hasattr(cls, "update_x"))
 
 
 def _method_caps(method: str) -> tuple[bool, bool, bool]:
-    from ..registry import get_method
+    from veloxquant_mlx.registry import get_method
 
     return method_caps(get_method(method))
 

@@ -1,0 +1,1 @@
+"""Test support shipped with the package: tiny random models of every mlx_lm architecture and the architecture table."""
