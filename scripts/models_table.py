@@ -115,7 +115,7 @@ mlx_lm's ring.
 
 XQuant keeps its specialized path for llama, mistral and qwen2 attention (keys from
 `k_proj`, latent storage for GQA, values in factor space). Every other attention gets
-the generic path (`cache.xquant_hook.GenericXPath`): the cache holds the module's input
+the generic path (`cache.xquant_generic.GenericXPath`): the cache holds the module's input
 X, and earlier tokens' K and V are rematerialized by running the module's own original
 call on their X with a capturing cache at position 0 (its projections, q/k norms, RoPE,
 fused QKV, MLA latent: only what leads to the captured keys is ever evaluated); the real

@@ -4,8 +4,12 @@ A test that takes an argument named ``method`` and does not parametrize it itsel
 once per registered method, so a new method is picked up with no edit here.
 """
 
+import importlib.util
 import os
+import re
 import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -14,38 +18,45 @@ import pytest
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.adapter.prefill import prefill
 from veloxquant_mlx.apps.blas import preload_for_pytest
-from veloxquant_mlx.registry import methods
+from veloxquant_mlx.registry import get_method, methods
 
 # Unit tests import the tiny in-process models from this folder.
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Options that make each method compress something within a few dozen tokens of a tiny
-# model (head_dim 32, 4 layers); a method not listed runs with its defaults.
-SMALL_OPTIONS: dict[str, dict[str, Any]] = {
-    "affine": dict(bits=4, group_size=32, window=4),
-    "kivi": dict(bits=4, group_size=32, window=32),
-    "streaming": dict(window=16, sink=2),
-    "snapkv": dict(capacity=16, window=4),
-    "xkv": dict(group_layers=2, block=16, window=8),
-    "minicache": dict(window=8),
-    "xquant": dict(bits=4, group_size=32),
-    "xquant_cl": dict(bits=4, group_size=32),
-    "turboquant": dict(window=8),
-}
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+# Set (to anything): the worked example of docs/developing.md ("Adding a method") is
+# registered before the tests are collected, so every test parametrized over the
+# registry runs it too (tests/test_developing.py).
+DOC_EXAMPLE_ENV = "VELOXQUANT_DOC_EXAMPLE"
+DOC_EXAMPLE_MODULE = "veloxquant_mlx.cache.topk_example"
 
-# Settings under which a method keeps (nearly) everything of a 40-token prompt: 8-bit
-# codes, eviction that evicts nothing, full-rank factors, merging that merges nothing.
+
+def load_doc_example() -> ModuleType:
+    """The example method's module (docs/developing.md's first Python block), imported
+    as if it were ``veloxquant_mlx/cache/topk_example.py``: that registers it."""
+    doc = DOCS / "developing.md"
+    code = re.search(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), re.S).group(1)
+    spec = importlib.util.spec_from_loader(DOC_EXAMPLE_MODULE, loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "veloxquant_mlx.cache"
+    sys.modules[DOC_EXAMPLE_MODULE] = module
+    exec(compile(code, str(doc), "exec"), module.__dict__)
+    return module
+
+
+if os.environ.get(DOC_EXAMPLE_ENV):
+    methods()  # the package's own methods first, then the example
+    load_doc_example()
+
+# Each method declares the options under which a tiny model (head_dim 32, 4 layers)
+# compresses something within a few dozen tokens (``small_options``) and those under
+# which it keeps (nearly) everything of a 40-token prompt (``lossless_options``: 8-bit
+# codes, eviction that evicts nothing, full-rank factors, merging that merges nothing);
+# a method that declares none runs with its defaults.
+SMALL_OPTIONS: dict[str, dict[str, Any]] = {
+    name: cls.small_options() for name, cls in methods().items() if cls.small_options()}
 LOSSLESS_OPTIONS: dict[str, dict[str, Any]] = {
-    "affine": dict(bits=8, group_size=32),
-    "kivi": dict(bits=4, group_size=32, window=128),
-    "streaming": dict(window=1000),
-    "snapkv": dict(capacity=1000),
-    "xkv": dict(group_layers=2, block=16, rank_k=16, rank_v=16, window=32),
-    "minicache": dict(window=1000),
-    "xquant": dict(bits=8, group_size=32),
-    "xquant_cl": dict(bits=8, group_size=32),
-    "turboquant": dict(quantizer="affine", k_bits=8, v_bits=8),
-}
+    name: cls.lossless_options() for name, cls in methods().items() if cls.lossless_options()}
 
 PROMPT = [(i * 37 + 11) % 120 + 1 for i in range(40)]
 
@@ -67,12 +78,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def small_config(method: str, **extra: Any) -> KVCacheConfig:
-    """``method`` with ``SMALL_OPTIONS``; a method that cannot be built fails the test."""
-    return KVCacheConfig(method, **{**SMALL_OPTIONS.get(method, {}), **extra})
+    """``method`` with its ``small_options``; a method that cannot be built fails the test."""
+    return KVCacheConfig(method, **{**get_method(method).small_options(), **extra})
 
 
 def lossless_config(method: str, **extra: Any) -> KVCacheConfig:
-    return KVCacheConfig(method, **{**LOSSLESS_OPTIONS.get(method, {}), **extra})
+    """``method`` with its ``lossless_options``."""
+    return KVCacheConfig(method, **{**get_method(method).lossless_options(), **extra})
 
 
 def run_prefill(model: Any, caches: list[Any], tokens: list[int], chunk: int = 16) -> mx.array:

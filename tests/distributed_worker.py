@@ -61,8 +61,9 @@ LONG_OPTIONS = {"kivi": dict(window=256), "xkv": dict(block=128, rank_k=128, ran
 def write_tiny_model(folder: Path, model_type: str = "llama", seed: int = 0) -> Path:
     """A random model with a word-level tokenizer, in mlx_lm's folder format."""
     from mlx_lm.utils import save_config, save_model
-    from tiny_models import tiny_model
     from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from veloxquant_mlx.testing.tiny import tiny_model
 
     dims = dict(DIMS, num_hidden_layers=LAYERS[model_type])
     folder.mkdir(parents=True, exist_ok=True)

@@ -2,13 +2,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.adapter.mlx_lm import install_attention_routing
 from veloxquant_mlx.cache import LayerInfo
 from veloxquant_mlx.cache.affine import AffineCache
 from veloxquant_mlx.ops import quantize as qz
+from veloxquant_mlx.testing.tiny import tiny_model
 
 install_attention_routing()
 
@@ -41,7 +41,7 @@ def test_window_keeps_recent_tokens_exact_and_quantizes_the_rest():
     for i in range(0, 50, 7):  # chunked like prefill + decode
         c.update_and_fetch(k[:, :, i:i + 7], v[:, :, i:i + 7])
     assert c.offset == 50
-    assert c.win_keys.shape[2] == 16 and c.qkeys.codes.shape[2] == 34
+    assert c.win[0].n == 16 and c.codes[0].n == 34
     dk, _ = c.dense_kv()
     assert mx.array_equal(dk[:, :, -16:], k[:, :, -16:]).item()
     assert not mx.array_equal(dk[:, :, :34], k[:, :, :34]).item()
@@ -73,11 +73,11 @@ def test_state_round_trip():
     k, v = _kv(70)
     c = _cache(bits=4, group_size=32, window=8)
     c.update_and_fetch(k, v)
-    d = AffineCache.from_state(c.state)
-    d.config, d.layer = c.config, c.layer
-    d.meta_state = c.meta_state
+    d = AffineCache.from_saved(c.config, c.layer, c.state, c.meta_state)
     a, b = c.dense_kv(), d.dense_kv()
     assert d.offset == 70 and mx.array_equal(a[0], b[0]).item()
+    with pytest.raises(TypeError, match="from_saved"):
+        AffineCache.from_state(c.state)  # mlx_lm's way has no config to build from
 
 
 def test_wrong_shapes_are_rejected():
@@ -135,20 +135,21 @@ def test_decode_steps_write_in_place_and_match_one_shot(bits, group_size, window
     one.update_and_fetch(k, v)
     c = _cache(bits=bits, group_size=group_size, window=window, window_dtype="float32")
     c.update_and_fetch(k[:, :, :200], v[:, :, :200])
-    slots = c.kbuf[0].shape[2]
+    slots = c.codes[0].buf.slots
     for i in range(200, 300):
         c.update_and_fetch(k[:, :, i:i + 1], v[:, :, i:i + 1])
         out = c.attend(qs[:, :, i:i + 1], scale=0.125)
     # The buffer grew only a few times (not per step) and keeps a small reserve.
-    assert c.kbuf[0].shape[2] > slots and c.kbuf[0].shape[2] - c.n_q <= c.n_q // 32 + 1
+    buf = c.codes[0].buf
+    assert buf.slots > slots and buf.slots - buf.n <= buf.n // 32 + 1
     s = c.stats()
     assert s["held_bytes"] == s["accounted_bytes"]
-    assert mx.array_equal(c.qkeys.codes, one.qkeys.codes).item()
+    assert mx.array_equal(c.codes[0].codes().codes, one.codes[0].codes().codes).item()
     ref = one.attend(qs[:, :, 299:300], scale=0.125)
     assert mx.abs(out - ref).max().item() < 1e-5
     # Trimming into the codes releases the reserve.
     c.trim(c.offset - 100)
-    assert c.kbuf[0].shape[2] == c.n_q == 100
+    assert c.codes[0].buf.slots == c.codes[0].n == 100
 
 
 @pytest.mark.slow

@@ -3,9 +3,10 @@
 Each cell (``veloxquant_mlx.testing.models_table.run_cell``: prefill + decode, a saved-cache
 round trip, trimming where the caches say they can, a batch of two) either matches
 mlx_lm's own cache at the method's lossless settings or refuses with a clear error. The
-refusals are data below, so a cell that goes from supported to refused (or back) fails
-until the data says so; a crash or a silent difference always fails. The same cells
-make docs/models.md (``scripts/models_table.py --write``).
+expected refusals follow from facts about each model (data below) and the capabilities
+each method's class declares, so a cell that goes from supported to refused (or back)
+fails until the data or the declaration says so; a crash or a silent difference always
+fails. The same cells make docs/models.md (``scripts/models_table.py --write``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from functools import cache
 
 import mlx.core as mx
 import pytest
-from conftest import LOSSLESS_OPTIONS, SMALL_OPTIONS
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.adapter.mlx_lm import install_reconstruction, probe_model
+from veloxquant_mlx.adapter.mlx_lm import install_reconstruction, method_caps, probe_model
 from veloxquant_mlx.adapter.prefill import prefill
-from veloxquant_mlx.cache.sliding import SlidingCache
+from veloxquant_mlx.cache.sliding import SlidingCache, sliding_mode
 from veloxquant_mlx.registry import methods
 from veloxquant_mlx.testing.architectures import (
     SURVEY,
@@ -30,15 +30,18 @@ from veloxquant_mlx.testing.architectures import (
     list_model_types,
     uncatalogued_model_types,
 )
-from veloxquant_mlx.testing.models_table import MATRIX_EXTRA, Reference, reference, run_cell
+from veloxquant_mlx.testing.models_table import Reference, reference, run_cell
 
 TYPES = list_model_types()
 
 # ---------------------------------------------------------------- expected refusals
+# Facts about each model type's tiny build (docs/architecture-survey.md), none about a
+# method: a method's expected refusals follow from what its class declares
+# (``expected_refusal``), so a new method needs no edit here.
 # mlx_lm's own cache does not run these on this CPU build (the survey says why).
 NO_MLX_LM = {t for t, s in SURVEY.items() if not s.runs.startswith("yes")}
-# Refused by every method: what the model caches is not a KV cache any method takes.
-EVERY_METHOD = {
+# What the model caches is not a KV cache any method takes: refused by every method.
+NO_KV_CACHE = {
     **dict.fromkeys(("mamba", "mamba2", "rwkv7"), r"slots are 2 x ArraysCache\."),
     **dict.fromkeys(("baichuan_m1", "deepseek_v32", "falcon_h1", "glm_moe_dsa",
                      "longcat_flash", "longcat_flash_ngram", "minimax_m3_vl"), "CacheList"),
@@ -46,50 +49,67 @@ EVERY_METHOD = {
     # Its two-pass loop updates the caches itself, taking them from the cache list.
     "iquestloopcoder": "cache list rather than as an argument",
 }
-# Only sliding-window attention: refused by methods that leave those layers to mlx_lm.
-SLIDING_ONLY = {"recurrent_gemma": r"RotatingKVCache\."}
-# Layers whose attention does not reach ``attend`` (see docs/models.md): refused by
-# methods that attend over their own form only and have no dense reconstruction.
-SELF_ATTENDING = dict.fromkeys(
-    ("afm7", "bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "gemma2", "gemma3n",
-     "gemma4", "gemma4_text", "glm4_moe_lite", "gpt_oss", "kimi_k25", "kimi_k3",
-     "kimi_linear", "kimi_vl", "mistral4", "phi3small", "plamo", "plamo2"),
-    "attends over its own compressed form only")
-# XQuant's rematerialization cannot reproduce per-token arguments besides the layer
-# input (hunyuan's shared kv_states); XQuant-CL, holding cross-layer deltas, cannot
-# rebuild K/V for the layers that read another layer's cache.
-XQUANT = {"hunyuan": "takes kv_states besides its input"}
-XQUANT_CL = {**XQUANT, "afm7": "cannot rebuild the keys and values",
-             "gemma3n": "cannot rebuild the keys and values"}
+# Only sliding-window attention layers.
+SLIDING_ONLY = {"recurrent_gemma"}
+# Layers whose attention does not reach ``attend`` (see docs/models.md).
+BYPASSES_ATTEND = {"afm7", "bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "gemma2",
+                   "gemma3n", "gemma4", "gemma4_text", "glm4_moe_lite", "gpt_oss", "kimi_k25",
+                   "kimi_k3", "kimi_linear", "kimi_vl", "mistral4", "phi3small", "plamo",
+                   "plamo2"}
+# The module that owns attention takes per-token arguments besides the layer input
+# (hunyuan's shared kv_states): a hook on that module cannot reproduce them.
+EXTRA_ATTENTION_ARGS = {"hunyuan"}
+# Layers that read another layer's cache (``keys_and_values()``).
+READS_OTHER_LAYERS = {"afm7", "gemma3n"}
+# One attention layer in all.
+ONE_LAYER = {"nemotron-nas"}
 
-REFUSED: dict[str, dict[str, str]] = {
-    "none": {**EVERY_METHOD, **SLIDING_ONLY},
-    "affine": dict(EVERY_METHOD),
-    "kivi": dict(EVERY_METHOD),
-    "minicache": {**EVERY_METHOD, **SLIDING_ONLY,
-                  "nemotron-nas": "a pair needs two layers"},  # one attention layer
-    "snapkv": {**EVERY_METHOD, **SLIDING_ONLY, **SELF_ATTENDING},
-    "streaming": dict(EVERY_METHOD),
-    "turboquant": {**EVERY_METHOD, **SLIDING_ONLY},
-    "xkv": {**EVERY_METHOD, **SLIDING_ONLY},
-    "xquant": {**EVERY_METHOD, **SLIDING_ONLY, **XQUANT},
-    "xquant_cl": {**EVERY_METHOD, **SLIDING_ONLY, **XQUANT_CL},
-}
+
+def expected_refusal(method: str, model_type: str) -> str | None:
+    """The pattern of the refusal ``method`` must give on ``model_type``, or ``None``:
+    from the model's facts above and the capabilities the method's class declares."""
+    cls = methods()[method]
+    attends, rebuilds, hooks = method_caps(cls)
+    if model_type in NO_KV_CACHE:
+        return NO_KV_CACHE[model_type]
+    if model_type in SLIDING_ONLY and sliding_mode(cls, RotatingKVCache(max_size=8)) is None:
+        return r"RotatingKVCache\."  # it leaves sliding-window layers to mlx_lm
+    if hooks and model_type in EXTRA_ATTENTION_ARGS:
+        return "takes kv_states besides its input"
+    if hooks and not rebuilds and model_type in READS_OTHER_LAYERS:
+        return "cannot rebuild the keys and values"
+    if attends and not rebuilds and not hooks and model_type in BYPASSES_ATTEND:
+        return "attends over its own compressed form only"
+    if cls.min_layers > 1 and model_type in ONE_LAYER:
+        return r"\blayers\b"  # the method's own words for needing more layers
+    return None
+
+
 # A batch of compressed caches refused on these models: the module that attends by
 # itself takes per-row arguments besides its input (or returns more than one array),
-# or the model reads layers' caches itself. Every method that runs, or those named.
-BATCH_REFUSED: dict[str, tuple[str, tuple[str, ...] | None]] = {
-    "afm7": ("reads layers' caches itself", None),
-    "gemma3n": ("takes other per-row arguments", None),
-    "gemma4": ("returns tuple", None),
-    "gemma4_text": ("returns tuple", None),
-    "mistral4": ("takes other per-row arguments", None),  # attn_scale, per row
-    "ministral3": ("takes other per-row arguments", ("xquant", "xquant_cl")),
+# or the model reads layers' caches itself. Every method that runs, or those that
+# hook the owning module (whose per-row arguments that hook cannot split).
+EVERY = "every"
+BATCH_REFUSED: dict[str, tuple[str, str]] = {
+    "afm7": ("reads layers' caches itself", EVERY),
+    "gemma3n": ("takes other per-row arguments", EVERY),
+    "gemma4": ("returns tuple", EVERY),
+    "gemma4_text": ("returns tuple", EVERY),
+    "mistral4": ("takes other per-row arguments", EVERY),  # attn_scale, per row
+    "ministral3": ("takes other per-row arguments", "hooks_module"),
 }
+
+
+def expected_batch_refusal(method: str, model_type: str) -> str | None:
+    pattern, who = BATCH_REFUSED.get(model_type, ("", EVERY))
+    if not pattern or (who != EVERY and not getattr(methods()[method], who)):
+        return None
+    return pattern
 
 
 def options(method: str) -> dict:
-    return {**LOSSLESS_OPTIONS.get(method, {}), **MATRIX_EXTRA.get(method, {})}
+    cls = methods()[method]
+    return {**cls.lossless_options(), **cls.few_layer_options()}
 
 
 @cache
@@ -104,8 +124,11 @@ def test_every_installed_model_type_is_catalogued() -> None:
     assert uncatalogued_model_types() == [], "not in the catalogue"
 
 
-def test_every_method_has_its_expected_refusals() -> None:
-    assert sorted(REFUSED) == sorted(methods()), "add the new method's refusals to REFUSED"
+def test_model_facts_name_catalogued_model_types() -> None:
+    facts = [NO_KV_CACHE, SLIDING_ONLY, BYPASSES_ATTEND, EXTRA_ATTENTION_ARGS,
+             READS_OTHER_LAYERS, ONE_LAYER, BATCH_REFUSED]
+    named = set().union(*map(set, facts))
+    assert named <= set(TYPES) and not named & NO_MLX_LM
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -116,7 +139,7 @@ def test_architecture(model_type: str, method: str) -> None:
         cell = run_cell(model_type, method, options(method), ref)
     where = f"{model_type} / {method}: {cell.status}: {cell.reason} {cell.checks}"
     assert cell.status not in ("crash", "diff"), where
-    want = REFUSED.get(method, {}).get(model_type)
+    want = expected_refusal(method, model_type)
     if model_type in NO_MLX_LM:
         assert cell.status == "n/a", where
     elif want is None:
@@ -124,8 +147,8 @@ def test_architecture(model_type: str, method: str) -> None:
     else:
         assert cell.status == "refused" and re.search(want, cell.reason), where
     batch = cell.checks.get("batch", "")
-    pattern, only = BATCH_REFUSED.get(model_type, ("", ()))
-    if pattern and cell.status == "supported" and (only is None or method in only):
+    pattern = expected_batch_refusal(method, model_type)
+    if pattern and cell.status == "supported":
         assert batch.startswith("refused") and pattern in batch, where
     else:
         assert not batch.startswith("refused"), where
@@ -137,7 +160,9 @@ def _prefill(model, caches, tokens) -> mx.array:
     return prefill(model, caches, tokens, 16, last_alone=False, all_logits=True)
 
 
-RECONSTRUCTING = ["none", "affine", "kivi", "minicache", "streaming", "turboquant", "xkv"]
+# Methods with a dense reconstruction of their own form (not a hook on the module).
+RECONSTRUCTING = [m for m, cls in methods().items()
+                  if method_caps(cls)[1] and not method_caps(cls)[2]]
 
 
 @pytest.mark.parametrize("method", RECONSTRUCTING)
@@ -145,8 +170,8 @@ def test_dense_view_gives_what_attend_gives(method: str) -> None:
     """A layer served a transient dense reconstruction attends as ``attend`` would, at
     settings that compress, evict and merge within the prompt."""
     model = build_tiny("llama", wide=True)
-    cfg = KVCacheConfig(method, **{**SMALL_OPTIONS.get(method, {}),
-                                   **MATRIX_EXTRA.get(method, {})})
+    cls = methods()[method]
+    cfg = KVCacheConfig(method, **{**cls.small_options(), **cls.few_layer_options()})
     tokens = [(i * 37 + 11) % 200 + 1 for i in range(56)]
     want = _prefill(model, KVCacheBuilder.for_model(model, cfg), tokens)
     caches = KVCacheBuilder.for_model(model, cfg)

@@ -7,12 +7,12 @@ import pytest
 from conftest import small_config
 from mlx_lm.generate import batch_generate, generate_step
 from test_memory import keep_dense_copy, no_buffer_cache  # noqa: F401 (a fixture)
-from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.cache.batch import BatchedCache
-from veloxquant_mlx.eval.memory import active_bytes
+from veloxquant_mlx.memory import active_bytes
+from veloxquant_mlx.testing.tiny import tiny_model
 
 PROMPTS = [[(i * 13 + 5 * j) % 120 + 1 for i in range(n)] for j, n in enumerate((23, 7, 40))]
 

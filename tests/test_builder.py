@@ -1,13 +1,13 @@
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.adapter import mlx_lm as glue
 from veloxquant_mlx.cache.affine import AffineCache
 from veloxquant_mlx.cache.dense import DenseCache
 from veloxquant_mlx.config import ConfigError
+from veloxquant_mlx.testing.tiny import tiny_model
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
@@ -93,12 +93,30 @@ def test_routing_is_reversible():
     tiny_model("llama")
     glue.install_attention_routing()
     assert llama.scaled_dot_product_attention is glue.routed_scaled_dot_product_attention
-    glue.uninstall_attention_routing()
+    glue.uninstall_attention_routing(everything=True)  # other tests' leases too
     assert llama.scaled_dot_product_attention is glue._ORIGINAL_SDPA
     with glue.attention_routing():
         assert glue.routing_installed("mlx_lm.models.llama")
     assert not glue.routing_installed("mlx_lm.models.llama")
     glue.install_attention_routing()
+
+
+def test_routing_is_leased_per_model():
+    """Detaching one model leaves another model's routing (and its caches) working."""
+    import mlx_lm.models.llama as llama
+
+    glue.uninstall_attention_routing(everything=True)
+    a, b = tiny_model("llama"), tiny_model("llama", seed=1)
+    caches_a = KVCacheBuilder.for_model(a, KVCacheConfig("affine", bits=8, group_size=32))
+    caches_b = KVCacheBuilder.for_model(b, KVCacheConfig("affine", bits=8, group_size=32))
+    KVCacheBuilder.detach(b)
+    assert llama.scaled_dot_product_attention is glue.routed_scaled_dot_product_attention
+    a(mx.array([[1, 2, 3]]), cache=caches_a)  # still routed: no error
+    with pytest.raises(RuntimeError, match="detached"):
+        b(mx.array([[1, 2, 3]]), cache=caches_b)  # loud, not silently wrong
+    KVCacheBuilder.detach(a)
+    assert llama.scaled_dot_product_attention is glue._ORIGINAL_SDPA
+    glue.install_attention_routing()  # the process lease the module-level tests took
 
 
 def test_cache_stats_counts_foreign_float32_layers_at_float16():

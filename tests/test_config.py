@@ -95,6 +95,28 @@ def test_legacy_flat_dict_loads():
         KVCacheConfig.from_dict({**old, "frobnicate": 1})
 
 
+def test_0_1_fields_the_method_cannot_hold_are_refused_by_name():
+    # The method's own 0.1 option, set, that today's options have no field for.
+    with pytest.raises(ConfigError, match=r"0\.1 option xquant_anchor_bits=4 of method 'xquant'"):
+        KVCacheConfig.from_dict({"method": "xquant", "xquant_anchor_bits": 4})
+    # At 0.1's default it changed nothing: it loads.
+    assert KVCacheConfig.from_dict({"method": "xquant_cl", "xquant_latent": True}) == \
+        KVCacheConfig("xquant_cl")
+    with pytest.raises(ConfigError, match="0.1 config field 'extra'"):
+        KVCacheConfig.from_dict({"method": "affine", "extra": {"k": 1}})
+
+
+def test_0_1_flags_still_parse():
+    from veloxquant_mlx.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["generate", "--method", "xkv", "--xkv-rank-k", "64",
+                                      "--xkv-group-size", "2"])
+    assert config_from_args(args) == KVCacheConfig("xkv", rank_k=64, group_layers=2)
+    args = build_parser().parse_args(["generate", "--method", "minicache",
+                                      "--minicache-bits", "4"])
+    assert config_from_args(args).options.bits == 4
+
+
 def test_string_dict_and_file_round_trips(tmp_path):
     cfg = KVCacheConfig("xkv", rank_k=64, factor_bits=4, window_dtype="float32")
     assert cfg.to_string() == "xkv:rank_k=64,factor_bits=4,window_dtype=float32"

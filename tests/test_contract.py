@@ -15,7 +15,6 @@ import mlx.core as mx
 import pytest
 from conftest import PROMPT, run_prefill, small_config
 from mlx_lm.generate import batch_generate
-from tiny_models import tiny_model
 
 from veloxquant_mlx import (
     KVCacheBuilder,
@@ -26,8 +25,9 @@ from veloxquant_mlx import (
 )
 from veloxquant_mlx.apps.prompt_cache import PromptCacheError
 from veloxquant_mlx.cache.base import CompressedCache, NotTrimmableError
-from veloxquant_mlx.eval.memory import active_bytes, no_buffer_cache
+from veloxquant_mlx.memory import active_bytes, no_buffer_cache
 from veloxquant_mlx.registry import get_method, methods
+from veloxquant_mlx.testing.tiny import tiny_model
 
 LEGACY = Path(__file__).parent / "data" / "saved-v0.1"
 

@@ -1,16 +1,22 @@
-"""The worked example of docs/developing.md works as written: a method in one module."""
+"""The worked example of docs/developing.md works as written: a method in one module.
+
+Registered before collection (``VELOXQUANT_DOC_EXAMPLE``, see ``tests/conftest.py``),
+the example runs every test that is parametrized over the registry: the contract, the
+architecture matrix (its refusals derived from what it declares), real memory, the
+differential machine. None of them names it: adding a method touches no other file.
+"""
 
 from __future__ import annotations
 
-import importlib.util
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import PROMPT, run_prefill
-from tiny_models import tiny_model
+from conftest import DOC_EXAMPLE_ENV, DOC_EXAMPLE_MODULE, PROMPT, load_doc_example, run_prefill
 
 from veloxquant_mlx import (
     KVCacheBuilder,
@@ -20,22 +26,18 @@ from veloxquant_mlx import (
     save_prompt_cache,
 )
 from veloxquant_mlx.cli import build_parser, config_from_args
+from veloxquant_mlx.register import REGISTERED
+from veloxquant_mlx.testing.architectures import list_model_types
+from veloxquant_mlx.testing.tiny import tiny_model
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "developing.md"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture()
 def topk_module():
-    code = re.search(r"```python\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S).group(1)
-    name = "veloxquant_mlx.cache.topk_example"
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = "veloxquant_mlx.cache"
-    sys.modules[name] = module
-    exec(compile(code, str(DOC), "exec"), module.__dict__)
-    yield module
-    registry._METHODS.pop("topk", None)
-    sys.modules.pop(name, None)
+    yield load_doc_example()
+    REGISTERED.pop("topk", None)
+    sys.modules.pop(DOC_EXAMPLE_MODULE, None)
 
 
 def test_the_example_method_is_picked_up_everywhere(topk_module, tmp_path: Path) -> None:
@@ -53,3 +55,18 @@ def test_the_example_method_is_picked_up_everywhere(topk_module, tmp_path: Path)
     a = model(mx.array([[3]]), cache=caches)
     b = model(mx.array([[3]]), cache=loaded)
     assert mx.allclose(a, b, atol=1e-5).item()
+
+
+def test_every_registry_test_runs_the_example_with_no_edit_elsewhere() -> None:
+    # Its docs page is step 2 of the example (prose, not written here).
+    select = "topk and not docs_page"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+         "-k", select, "tests"],
+        cwd=ROOT, env={**os.environ, DOC_EXAMPLE_ENV: "1"}, capture_output=True, text=True,
+        timeout=900)
+    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|error)", tail))
+    # One cell per mlx_lm model type, and the contract's checks besides.
+    assert counts.get("passed", 0) > len(list_model_types()) + 3, tail

@@ -25,7 +25,6 @@ import distributed_worker as worker
 import mlx.core as mx
 import psutil
 import pytest
-from tiny_models import tiny_model
 
 from veloxquant_mlx.apps import distributed as dist
 from veloxquant_mlx.apps.prompt_cache import (
@@ -35,6 +34,7 @@ from veloxquant_mlx.apps.prompt_cache import (
 )
 from veloxquant_mlx.models import load
 from veloxquant_mlx.options import ConfigError
+from veloxquant_mlx.testing.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -161,8 +161,9 @@ def test_xquant_replication_warning() -> None:
     model = tiny_model("llama", **worker.DIMS)
     plan = dist.ShardPlan("tensor", 0, 2, 4, 8, 4, 0, 4)
     for method in ("xquant_cl", "xquant:latent=false"):
-        assert "each of the 2 ranks holds the whole X cache" in dist.replication_warning(
-            model, method, plan)
+        warning = dist.replication_warning(model, method, plan)
+        assert "caches the layer input X" in warning
+        assert "each of the 2 ranks holds the whole cache" in warning
     # Latents of the K/V projections (256 wide here, X is 512): nothing replicated.
     assert dist.replication_warning(model, "xquant", plan) is None
     assert dist.replication_warning(model, "kivi", plan) is None

@@ -10,12 +10,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
-from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.adapter.prefill import prefill
+from veloxquant_mlx.adapter.retained import measure_retained
 from veloxquant_mlx.config import ConfigError
-from veloxquant_mlx.eval.memory import active_bytes, measure_retained
 from veloxquant_mlx.eval.perplexity import (
     Method,
     forward_perplexity,
@@ -35,6 +34,8 @@ from veloxquant_mlx.eval.retrieval import (
     wilson_interval,
 )
 from veloxquant_mlx.eval.text import stdlib_text, token_windows
+from veloxquant_mlx.memory import active_bytes
+from veloxquant_mlx.testing.tiny import tiny_model
 
 AFFINE4 = "affine:bits=4,group_size=32"
 AFFINE8 = "affine:bits=8,group_size=32"

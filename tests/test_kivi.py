@@ -8,7 +8,6 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from test_memory import keep_dense_copy, no_buffer_cache  # noqa: F401 (a fixture)
-from tiny_models import tiny_model
 
 from veloxquant_mlx import ConfigError, KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.adapter.mlx_lm import install_attention_routing
@@ -16,7 +15,8 @@ from veloxquant_mlx.cache.affine import AffineCache
 from veloxquant_mlx.cache.base import LayerInfo
 from veloxquant_mlx.cache.kivi import KIVICache
 from veloxquant_mlx.ops import quantize as q
-from veloxquant_mlx.ops.attention import sdpa
+from veloxquant_mlx.ops.attention import attend_parts, sdpa
+from veloxquant_mlx.testing.tiny import tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -70,15 +70,15 @@ def test_flush_schedule_follows_reference():
     c = make_cache(bits=4)
     step(c, mx.random.normal((1, 2, 300, 32)), mx.random.normal((1, 2, 300, 32)))
     # Keys: whole blocks of R quantized, 300 % 128 = 44 left; values: last R kept.
-    assert c.qkeys.codes.shape == (1, 2, 32, 256 * 4 // 32)
-    assert c.res_keys.shape[2] == 44 and c.res_values.shape[2] == 128
-    assert c.qvalues.codes.shape[2] == 172
+    assert c.codes[0].qt.codes.shape == (1, 2, 32, 256 * 4 // 32)
+    assert c.residual[0].x.shape[2] == 44 and c.residual[1].x.shape[2] == 128
+    assert c.codes[1].n == 172
     for t in range(301, 385):
         step(c, mx.random.normal((1, 2, 1, 32)), mx.random.normal((1, 2, 1, 32)))
-        n_kr = 0 if c.res_keys is None else c.res_keys.shape[2]
-        assert n_kr == (t % 128) and c.res_values.shape[2] == 128
-        assert c.qvalues.codes.shape[2] == t - 128
-    assert c.res_keys is None and c.qkeys.scales.shape[-1] == 384 // 32
+        n_kr = 0 if c.residual[0].x is None else c.residual[0].x.shape[2]
+        assert n_kr == (t % 128) and c.residual[1].x.shape[2] == 128
+        assert c.codes[1].n == t - 128
+    assert c.residual[0].x is None and c.codes[0].qt.scales.shape[-1] == 384 // 32
     assert c.offset == 384
 
 
@@ -88,17 +88,17 @@ def test_new_tokens_attended_in_full_precision_then_flushed():
     k, v = mx.random.normal((1, 2, 64, 32)), mx.random.normal((1, 2, 64, 32))
     c.update_and_fetch(k, v)
     # Before attention the whole chunk is in the residual (window dtype float16).
-    assert c.qkeys is None and c.res_keys.shape[2] == 64 and c.res_keys.dtype == mx.float16
+    assert c.codes[0].qt is None and c.residual[0].x.shape[2] == 64 and c.residual[0].x.dtype == mx.float16
     queries = mx.random.normal((1, 4, 64, 32))
     out = c.attend(queries, scale=32 ** -0.5, mask="causal")
     ref = sdpa(queries, k.astype(mx.float16), v.astype(mx.float16), 32 ** -0.5, "causal")
     assert mx.allclose(out, ref, atol=1e-4)
-    assert c.res_keys is None and c.res_values.shape[2] == 32
+    assert c.residual[0].x is None and c.residual[1].x.shape[2] == 32
     # Without attend the next update flushes what is pending first.
     c2 = make_cache(window=32)
     c2.update_and_fetch(k, v)
     c2.update_and_fetch(k[:, :, :1], v[:, :, :1])
-    assert c2.qkeys.scales.shape[-1] == 2 and c2.res_keys.shape[2] == 1
+    assert c2.codes[0].qt.scales.shape[-1] == 2 and c2.residual[0].x.shape[2] == 1
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -114,7 +114,7 @@ def test_attention_matches_dense_over_reconstruction(packed, monkeypatch):
     for L, mask in ((1, None), (5, "causal"), (1, padded)):
         queries = mx.random.normal((2, 4, L, 32))
         ref = sdpa(queries, keys, values, 32 ** -0.5, mask)
-        out = c._attend_split(queries, 32 ** -0.5, mask, packed)
+        out = attend_parts(queries, *c.stored.parts(packed), 32 ** -0.5, mask)
         assert mx.allclose(out, ref, atol=1e-4), (L, mx.abs(out - ref).max())
 
 
@@ -136,12 +136,12 @@ def test_per_channel_keys_beat_per_token_on_outlier_channels():
     aff = AffineCache(KVCacheConfig(method="affine", bits=4, group_size=32),
                       LayerInfo(n_kv_heads=2, head_dim=64))
     aff.update_and_fetch(k, v)
-    n_q = kivi.qkeys.scales.shape[-1] * 32
+    n_q = kivi.codes[0].qt.scales.shape[-1] * 32
     err_kivi = mx.abs(kivi.dense_kv()[0][:, :, :n_q] - k[:, :, :n_q]).mean().item()
     err_aff = mx.abs(aff.dense_kv()[0][:, :, :n_q] - k[:, :, :n_q]).mean().item()
     assert err_kivi < 0.5 * err_aff, (err_kivi, err_aff)
     # Values are per token, like affine: the same quantization error.
-    n_vq = kivi.qvalues.codes.shape[2]
+    n_vq = kivi.codes[1].n
     ev_kivi = mx.abs(kivi.dense_kv()[1][:, :, :n_vq] - v[:, :, :n_vq]).mean().item()
     ev_aff = mx.abs(aff.dense_kv()[1][:, :, :n_vq] - v[:, :, :n_vq]).mean().item()
     assert ev_kivi == pytest.approx(ev_aff, rel=0.05)
@@ -176,13 +176,13 @@ def test_bytes_at_2048_tokens(bits, limit):
     # Only the residual is full precision: no full-size array is held.
     assert all(a.size < 2148 * 3 * 64 / 4 for a in c.held_arrays()), \
         [a.shape for a in c.held_arrays()]
-    assert c.res_values.dtype == mx.float16
+    assert c.residual[1].x.dtype == mx.float16
 
 
 def test_window_dtype_float32_is_accounted():
     c = make_cache(window_dtype="float32")
     step(c, mx.random.normal((1, 2, 100, 32)), mx.random.normal((1, 2, 100, 32)))
-    assert c.res_keys.dtype == mx.float32 and c.nbytes == c.accounted_bytes() > 0
+    assert c.residual[0].x.dtype == mx.float32 and c.nbytes == c.accounted_bytes() > 0
 
 
 # ---------------------------------------------------------------- protocol
@@ -239,7 +239,7 @@ def test_generate_on_tiny_model():
                                                      prompt_cache=caches), range(40))]
     assert len(tokens) == 40
     # generate_step computes one or two tokens ahead of what it yields.
-    assert 80 + 39 <= caches[0].offset <= 80 + 41 and caches[0].qkeys is not None
+    assert 80 + 39 <= caches[0].offset <= 80 + 41 and caches[0].codes[0].qt is not None
 
 
 # ---------------------------------------------------------------- real model
@@ -260,7 +260,7 @@ BACKGROUND = (
 @pytest.mark.parametrize("bits,bound", [(2, 0.65), (4, 0.72)])
 def test_real_model_france_paris(bits, bound, monkeypatch):
     from veloxquant_mlx import models
-    from veloxquant_mlx.eval.memory import active_bytes
+    from veloxquant_mlx.memory import active_bytes
 
     model, tokenizer = models.load()
     # About 220 prompt tokens: more than the residual R = 128, so part is quantized.
@@ -281,7 +281,7 @@ def test_real_model_france_paris(bits, bound, monkeypatch):
 
     text, caches, real = answer()
     assert "Paris" in text
-    assert caches[0].qkeys is not None and caches[0].qvalues is not None
+    assert caches[0].codes[0].qt is not None and caches[0].codes[1].n > 0
     st = cache_stats(caches)
     assert real <= 1.05 * st["held_bytes"] and real < bound * st["fp16_bytes"], (real, st)
     # A cache keeping a dense copy beside its codes fails both bounds.

@@ -7,13 +7,13 @@ import math
 import mlx.core as mx
 import pytest
 from conftest import prefill_then_decode
-from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.cache.base import LayerInfo, NotTrimmableError
 from veloxquant_mlx.cache.minicache import MiniCacheCache
 from veloxquant_mlx.cache.minicache_coordinator import MiniCacheCoordinator, slerp_merge
 from veloxquant_mlx.config import ConfigError
+from veloxquant_mlx.testing.tiny import tiny_model
 
 B, H, D = 2, 2, 32
 

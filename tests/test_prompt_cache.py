@@ -11,7 +11,6 @@ import pytest
 from conftest import PROMPT, small_config
 from conftest import run_prefill as prefill
 from mlx_lm.generate import generate_step
-from tiny_models import tiny_model
 
 from veloxquant_mlx import (
     KVCacheBuilder,
@@ -28,6 +27,7 @@ from veloxquant_mlx.apps.prompt_cache import (
     read_prompt_cache_header,
 )
 from veloxquant_mlx.registry import list_methods
+from veloxquant_mlx.testing.tiny import tiny_model
 
 
 def test_round_trip_every_method(method: str, tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ import pytest
 from conftest import small_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.cache.affine import AffineCache
@@ -15,6 +14,7 @@ from veloxquant_mlx.cache.base import LayerInfo
 from veloxquant_mlx.cache.dense import DenseCache
 from veloxquant_mlx.config import ConfigError
 from veloxquant_mlx.ops.attention import sdpa
+from veloxquant_mlx.testing.tiny import tiny_model
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # Attention error allowed at lossless settings (8-bit codes), by compute dtype.

@@ -7,7 +7,6 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from conftest import PROMPT, run_prefill
-from tiny_models import tiny_model
 
 from veloxquant_mlx import (
     KVCacheBuilder,
@@ -16,11 +15,12 @@ from veloxquant_mlx import (
     load_prompt_cache,
     save_prompt_cache,
 )
+from veloxquant_mlx.adapter.retained import measure_retained
 from veloxquant_mlx.cache import rotated
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
 from veloxquant_mlx.cache.sliding import SlidingCache
 from veloxquant_mlx.config import ConfigError
-from veloxquant_mlx.eval.memory import measure_retained
+from veloxquant_mlx.testing.tiny import tiny_model
 
 ROT_BYTES = 64 * 64 * 4  # one float32 rotation of 64-wide heads
 

@@ -14,7 +14,6 @@ import mlx.core as mx
 import pytest
 from conftest import PROMPT, lossless_config
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import tiny_model
 
 from veloxquant_mlx import ConfigError, KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.adapter.mlx_lm import (
@@ -27,6 +26,7 @@ from veloxquant_mlx.adapter.mlx_lm import (
 from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.registry import get_method
 from veloxquant_mlx.testing.architectures import build_tiny
+from veloxquant_mlx.testing.tiny import tiny_model
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3_text", "gemma2", "olmo2", "plamo"]
 # Relative logit error allowed at the lossless settings (8-bit codes, fp16 windows).
@@ -34,7 +34,7 @@ TOLERANCE = 0.05
 
 
 def _model(arch: str):
-    # plamo needs its own head layout (more KV heads than tiny_models' default allows).
+    # plamo needs its own head layout (more KV heads than tiny_model's default allows).
     return build_tiny(arch) if arch == "plamo" else tiny_model(arch)
 
 
@@ -132,3 +132,37 @@ def test_the_probe_finds_layers_by_what_they_hand_their_cache() -> None:
     assert shapes["nemotron_h"] == [(1, (2, 16, 16), "NemotronHAttention")]
     infos = KVCacheBuilder.layer_infos(build_tiny("nemotron_h"))
     assert [i is not None for i in infos] == [False, True] and infos[1].layer_idx == 1
+
+
+def test_hooks_stack_and_come_off_one_at_a_time() -> None:
+    """One hook mechanism for every build: reconstruction and XQuant's X hook can sit on
+    the same module, and removing one leaves the other (and the weights) in place."""
+    import mlx.nn as nn
+
+    from veloxquant_mlx.cache.module_call import (
+        below,
+        hook_module,
+        hook_names,
+        original_class,
+        unhook_module,
+    )
+
+    lin = nn.Linear(4, 4)
+    x = mx.ones((1, 4))
+    plain = lin(x)
+
+    def doubled(self, x):
+        return 2 * below(self, "Double").__call__(self, x)
+
+    def shifted(self, x):
+        return below(self, "Shift").__call__(self, x) + 1
+
+    hook_module(lin, doubled, "Double")
+    hook_module(lin, shifted, "Shift")
+    assert hook_names(lin) == ["Shift", "Double"] and original_class(lin) is nn.Linear
+    assert mx.allclose(lin(x), 2 * plain + 1).item()
+    assert unhook_module(lin, "Double") and hook_names(lin) == ["Shift"]
+    assert mx.allclose(lin(x), plain + 1).item()
+    assert not unhook_module(lin, "Double")
+    assert unhook_module(lin) and type(lin) is nn.Linear
+    assert mx.allclose(lin(x), plain).item()

@@ -53,12 +53,11 @@ def write_tiny_model(folder: Path) -> None:
     from mlx_lm.utils import save_config, save_model
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from tiny_models import BASE, tiny_model
+    from veloxquant_mlx.testing.tiny import tiny_config, tiny_model
 
     model = tiny_model("llama")
     save_model(folder, model)
-    save_config(dict(BASE, model_type="llama"), folder / "config.json")
+    save_config(tiny_config("llama"), folder / "config.json")
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(folder / "tokenizer.json"))
@@ -230,12 +229,13 @@ def test_reservation_lasts_until_tracked_caches_are_garbage() -> None:
 
 
 def test_measured_cost_is_the_allocator_reading() -> None:
-    from tiny_models import BASE, tiny_model
+    from veloxquant_mlx.testing.tiny import UNIT_SIZES, tiny_model
 
     model = tiny_model("llama", seed=1)
     dense = measure_kv_cost(model, KVCacheConfig(method="none"), probe=256, chunk=128)
     # float32 K and V of every layer, per token: what MLX really holds for a dense cache.
-    per_token = BASE["num_hidden_layers"] * BASE["num_key_value_heads"] * 2 * BASE["head_dim"] * 4
+    dims = UNIT_SIZES
+    per_token = dims["num_hidden_layers"] * dims["num_key_value_heads"] * 2 * dims["head_dim"] * 4
     assert dense.per_token == per_token and dense.fixed == 0
     kivi = measure_kv_cost(model, KVCacheConfig(method="kivi", bits=4, group_size=32),
                            probe=256, chunk=128)
@@ -261,7 +261,7 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 @pytest.mark.parametrize("stock", [False, True])
 def test_moving_to_generation_moves_caches_not_copies(stock: bool) -> None:
-    from tiny_models import tiny_model
+    from veloxquant_mlx.testing.tiny import tiny_model
 
     model = tiny_model("llama", seed=2)
     cfg = KVCacheConfig(method="kivi", bits=4, group_size=32)
@@ -283,7 +283,7 @@ def test_moving_to_generation_moves_caches_not_copies(stock: bool) -> None:
 
 
 def _decodes_per_prefill_step(share: float) -> float:
-    from tiny_models import tiny_model
+    from veloxquant_mlx.testing.tiny import tiny_model
 
     model = tiny_model("llama", seed=3)
     cfg = KVCacheConfig(method="none")
@@ -309,9 +309,8 @@ def test_prefill_share_gives_decoders_their_time() -> None:
 
 
 def test_cancelled_prompt_is_dropped_before_its_next_step() -> None:
-    from tiny_models import tiny_model
-
     from veloxquant_mlx.apps.server import RequestCaches
+    from veloxquant_mlx.testing.tiny import tiny_model
 
     class Ctx:
         stopped = False

@@ -2,13 +2,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.adapter.mlx_lm import install_attention_routing
 from veloxquant_mlx.cache import LayerInfo
 from veloxquant_mlx.cache.snapkv import SnapKVCache, pool_scores, select_tokens
 from veloxquant_mlx.config import ConfigError
+from veloxquant_mlx.testing.tiny import tiny_model
 
 install_attention_routing()
 

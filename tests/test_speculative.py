@@ -16,10 +16,10 @@ import mlx_lm
 import pytest
 from conftest import PROMPT, lossless_config
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder
 from veloxquant_mlx.apps.prompt_cache import NotTrimmableError, trim_prompt_cache
+from veloxquant_mlx.testing.tiny import tiny_model
 
 NEW_TOKENS = 16
 

@@ -7,7 +7,6 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from conftest import run_prefill
-from tiny_models import tiny_model
 
 from veloxquant_mlx import (
     KVCacheBuilder,
@@ -16,11 +15,12 @@ from veloxquant_mlx import (
     load_prompt_cache,
     save_prompt_cache,
 )
+from veloxquant_mlx.adapter.retained import measure_retained
 from veloxquant_mlx.apps.prompt_cache import trim_prompt_cache
 from veloxquant_mlx.cache import kvstore as ks
 from veloxquant_mlx.cache.base import NotTrimmableError
 from veloxquant_mlx.config import ConfigError
-from veloxquant_mlx.eval.memory import measure_retained
+from veloxquant_mlx.testing.tiny import tiny_model
 
 TOKENS = [(i * 37 + 11) % 120 + 1 for i in range(120)]
 FOLLOW = (5, 9, 17, 33)

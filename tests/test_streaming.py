@@ -1,12 +1,12 @@
 import mlx.core as mx
 import pytest
-from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.adapter.mlx_lm import install_attention_routing
 from veloxquant_mlx.cache import LayerInfo
 from veloxquant_mlx.cache.streaming import StreamingCache
 from veloxquant_mlx.config import ConfigError
+from veloxquant_mlx.testing.tiny import tiny_model
 
 install_attention_routing()
 

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_models import tiny_model
 
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.eval import tune
+from veloxquant_mlx.testing.tiny import tiny_model
 
 TEXT = " ".join(f"sentence {i} tells the story of the number {i * 7 % 13}." for i in range(300))
 

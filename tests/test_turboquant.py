@@ -153,7 +153,9 @@ def test_trim_drops_exactly_the_last_tokens(drop: int) -> None:
     after = c.dense_kv()
     for a, b in zip(after, before):
         assert a.shape[2] == 60 - drop
-        assert mx.array_equal(a, b[:, :, :60 - drop]).item()  # the kept tokens unchanged
+        # The kept tokens unchanged: the same codes, un-rotated by a matmul over fewer
+        # rows (which may round differently); a wrong token would be off by O(1).
+        assert mx.allclose(a, b[:, :, :60 - drop], rtol=1e-6, atol=1e-6).item()
     assert c.nbytes < held  # the dropped tokens are released
     c.update_and_fetch(k[:, :, :1], v[:, :, :1])  # and the cache goes on
     assert c.offset == 61 - drop

@@ -5,13 +5,13 @@ import pytest
 from conftest import prefill_then_decode
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from test_memory import keep_dense_copy, no_buffer_cache  # noqa: F401 (a fixture)
-from tiny_models import tiny_model
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
 from veloxquant_mlx.cache.base import LayerInfo
 from veloxquant_mlx.cache.xkv import XKVCache, linear_cka, link_groups
 from veloxquant_mlx.config import ConfigError, KVCacheConfig
 from veloxquant_mlx.ops import factors as fr
+from veloxquant_mlx.testing.tiny import tiny_model
 
 BLOCK = 32
 FULL = 128  # tokens in the SVD block that span G*D = 2*64 features (exact projection)
@@ -306,7 +306,7 @@ def test_wrong_shape_input(model):
 @pytest.mark.usefixtures("no_buffer_cache")
 def test_embedded_model_short_context(monkeypatch):
     from veloxquant_mlx import models
-    from veloxquant_mlx.eval.memory import measure_retained
+    from veloxquant_mlx.adapter.retained import measure_retained
     from veloxquant_mlx.eval.perplexity import perplexity_through_cache
     from veloxquant_mlx.eval.text import encode, load_text
 
@@ -459,8 +459,10 @@ def test_trim_keeps_the_kept_tokens_exactly(model, cut):
     for c, (k, v) in zip(caches, before):
         assert c.offset == keep
         got = c.dense_kv(mx.float32)
-        assert mx.array_equal(got[0], k[:, :, :keep]).item()
-        assert mx.array_equal(got[1], v[:, :, :keep]).item()
+        # Rebuilt from the same factors; a matmul over fewer rows may round differently
+        # (OpenBLAS blocks by row count), a wrong token would be off by O(1).
+        assert mx.allclose(got[0], k[:, :, :keep], rtol=1e-6, atol=1e-6).item()
+        assert mx.allclose(got[1], v[:, :, :keep], rtol=1e-6, atol=1e-6).item()
     st = cache_stats(caches)
     assert st["held_bytes"] < held and st["held_bytes"] == st["accounted_bytes"]
     fresh = KVCacheBuilder.for_model(model, cfg)

@@ -6,7 +6,6 @@ import mlx.core as mx
 import pytest
 from conftest import prefill_then_decode
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import tiny_model
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
 from veloxquant_mlx.cache.xquant import XQuantCache, XQuantCLCache
@@ -17,6 +16,7 @@ from veloxquant_mlx.cache.xquant_hook import (
     x_hook_installed,
 )
 from veloxquant_mlx.config import ConfigError, KVCacheConfig
+from veloxquant_mlx.testing.tiny import tiny_model
 
 
 def hook(model, latent: bool = True):
@@ -41,21 +41,10 @@ def llama():
     uninstall_x_hook(model)
 
 
-def _tiny(model_type: str):
-    if model_type != "mistral":
-        return tiny_model(model_type)
-    # mlx_lm runs "mistral" checkpoints with its llama module (MODEL_REMAPPING).
-    from mlx_lm.models import llama
-    from tiny_models import BASE
-
-    mx.random.seed(0)
-    return llama.Model(llama.ModelArgs.from_dict(dict(BASE, model_type="mistral")))
-
-
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("method", ["xquant", "xquant_cl"])
 def test_8bit_close_to_dense_and_2bit_is_not(model_type, method):
-    model = _tiny(model_type)
+    model = tiny_model(model_type)  # mistral: mlx_lm's llama module
     tokens = mx.random.randint(0, 128, (2, 24), key=mx.random.key(1))
     ref = model(tokens, cache=make_prompt_cache(model))
     errs = {}
@@ -182,9 +171,10 @@ def test_trim_continues_as_a_fresh_cache(llama, method, kwargs, cut):
         codes = c.codes[0].codes
         assert mx.array_equal(codes, before[0][:, :codes.shape[1]]).item()
         if dense is not None:
+            # Rebuilt from the same codes; a matmul over fewer rows may round differently.
             k, v = c.dense_kv()
-            assert mx.array_equal(k, dense[i][0][:, :, :keep]).item()
-            assert mx.array_equal(v, dense[i][1][:, :, :keep]).item()
+            assert mx.allclose(k, dense[i][0][:, :, :keep], rtol=1e-6, atol=1e-6).item()
+            assert mx.allclose(v, dense[i][1][:, :, :keep], rtol=1e-6, atol=1e-6).item()
     st = cache_stats(caches)
     assert st["held_bytes"] == st["accounted_bytes"]
     if kwargs.get("window"):

@@ -7,8 +7,8 @@ import dataclasses
 import sys
 from typing import Any
 
+from veloxquant_mlx import compat
 from veloxquant_mlx.config import SHARED, ConfigError, KVCacheConfig, parse_value
-from veloxquant_mlx.options import UNPREFIXED_01
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -26,13 +26,10 @@ def _option_flags() -> dict[str, tuple[str, set[str], list[str]]]:
 
     flags: dict[str, tuple[str, set[str], list[str]]] = {}
     for name, cls in methods().items():
-        prefix = name.split("_")[0]
         for f in dataclasses.fields(cls.Options):
             help_, aliases, users = flags.setdefault(f.name, ("", set(), []))
             users.append(f"{name}: {f.default!r}")
-            if f.name not in UNPREFIXED_01:  # 0.1 spelled method-only options with a prefix
-                aliases.add(f"{prefix}_{f.name}")
-        for old, new in cls.Options.legacy_names.items():
+        for old, new in compat.flag_aliases(cls.Options).items():  # 0.1's flag names
             flags.setdefault(new, ("", set(), []))[1].add(old)
     taken = set(flags)
     return {k: (h, {a for a in al if a not in taken}, u) for k, (h, al, u) in flags.items()}
@@ -41,7 +38,7 @@ def _option_flags() -> dict[str, tuple[str, set[str], list[str]]]:
 def add_method_arguments(parser: argparse.ArgumentParser) -> None:
     """``--method``, ``--config`` and one flag per method option (from the options classes).
 
-    0.1's prefixed flags (``--xkv-rank-k``) still work as aliases.
+    0.1's prefixed flags (``--xkv-rank-k``) still work as aliases (``compat.flag_aliases``).
     """
     parser.add_argument("--method", default=None,
                         help="compression method, or a spec such as 'kivi:bits=4' "
@@ -73,7 +70,7 @@ def config_from_args(args: argparse.Namespace) -> KVCacheConfig:
         if args.method is not None and args.method != base.method:
             base = KVCacheConfig.from_string(args.method)
         return base.replace(**values)
-    base = KVCacheConfig.from_string(args.method or "none")
+    base = KVCacheConfig.from_string(args.method) if args.method else KVCacheConfig()
     return base.replace(**values) if values else base
 
 

@@ -4,8 +4,9 @@
 (``AffineOptions(bits=4)``) from the keyword values; ``config.options`` holds it. The
 string form ``"affine:bits=4,window=32"`` (CLI, sweeps), ``to_dict``/``from_dict`` (saved
 caches, JSON) and ``to_file``/``from_file`` round-trip. Configs written by 0.1 (one flat
-dict with every method's prefixed fields) still load through ``from_dict``, and so do
-configs written before ``rotate`` and ``layers`` existed.
+dict with every method's prefixed fields) still load through ``from_dict`` and 0.1's
+option names are still accepted, both through ``compat`` (the one module that knows
+0.1); so do configs written before ``rotate`` and ``layers`` existed.
 
 Two shared switches change how a method's caches are built (``builder``):
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from veloxquant_mlx import compat
 from veloxquant_mlx.options import ConfigError, MethodOptions, config_error
 
 __all__ = ["ConfigError", "KVCacheConfig", "config_error", "parse_value"]
@@ -33,7 +35,6 @@ SHARED_DEFAULTS: dict[str, Any] = {"max_ctx": 131072, "window_dtype": "float16",
                                    "rotate": False, "layers": None}
 SHARED = tuple(SHARED_DEFAULTS)
 WINDOW_DTYPES = (None, "float16", "bfloat16", "float32")
-_LEGACY_SHARED = ("method", "max_ctx", "window_dtype", "extra")
 
 
 def _options_class(method: Any) -> type[MethodOptions]:
@@ -48,7 +49,8 @@ def _options_class(method: Any) -> type[MethodOptions]:
 class KVCacheConfig:
     """How each layer's KV cache is compressed.
 
-    method: registered method name (``veloxquant methods`` lists them).
+    method: registered method name (``veloxquant methods`` lists them); default: the
+        reference, dense (``registry.reference()``).
     options: the method's options dataclass; keyword values given to the constructor
         (``bits=4``) fill it, unknown names are an error naming the method's options.
     max_ctx: token budget per layer (and per cross-layer group); writing beyond raises.
@@ -67,12 +69,17 @@ class KVCacheConfig:
     rotate: bool
     layers: tuple[tuple[int, tuple[tuple[str, Any], ...]], ...] | None
 
-    def __init__(self, method: str = "none", options: MethodOptions | None = None, *,
+    def __init__(self, method: str | None = None, options: MethodOptions | None = None, *,
                  max_ctx: int = SHARED_DEFAULTS["max_ctx"],
                  window_dtype: str | None = SHARED_DEFAULTS["window_dtype"],
                  rotate: bool | None = None, layers: Any = None,
                  **option_values: Any) -> None:
+        if method is None:  # the reference (dense) method
+            from veloxquant_mlx.registry import reference
+
+            method = reference()
         cls = _options_class(method)
+        option_values = compat.current_names(cls, option_values)
         if rotate is not None and "rotate" in cls.field_names():
             option_values["rotate"] = rotate  # the method rotates by itself (turboquant)
             rotate = None
@@ -97,12 +104,26 @@ class KVCacheConfig:
         if rotate:
             _check_rotatable(method, options)
 
+    @property
+    def method_class(self) -> type:
+        """The method's registered cache class (what shared code asks for capabilities)."""
+        from veloxquant_mlx.registry import get_method
+
+        return get_method(self.method)
+
+    @property
+    def is_reference(self) -> bool:
+        """Whether this is the reference method (dense), that others are measured against."""
+        from veloxquant_mlx.registry import reference
+
+        return self.method == reference()
+
     def __getattr__(self, name: str) -> Any:
-        # 0.1 read options as flat fields (``config.xkv_rank_k``); keep that working.
+        # Options read as flat fields (``config.bits``; 0.1 names such as ``xkv_rank_k``).
         if name.startswith("__"):
             raise AttributeError(name)
         options = self.__dict__.get("options")
-        field = options.resolve_name(name) if options is not None else None
+        field = compat.field_name(type(options), name) if options is not None else None
         if field is None:
             raise AttributeError(f"KVCacheConfig of method {self.__dict__.get('method')!r} "
                                  f"has no field or option {name!r}")
@@ -145,35 +166,14 @@ class KVCacheConfig:
         """Rebuild from :meth:`to_dict`, or from a 0.1 flat dict; unknown keys are an error."""
         data = dict(data)
         if "options" not in data:
-            return cls._from_legacy(data)
+            data = compat.upgrade_config_dict(data)
         unknown = sorted(set(data) - {"method", "options", *SHARED})
         if unknown:
             raise ConfigError(f"unknown KVCacheConfig field(s) {unknown}; known fields: "
                               f"['method', 'options', {', '.join(map(repr, SHARED))}]")
-        method = data.pop("method", "none")
-        options = _options_class(method).from_kwargs(data.pop("options") or {})
+        method = data.pop("method", None)
+        options = _options_class(method or cls().method).from_kwargs(data.pop("options") or {})
         return cls(method, options, **data)
-
-    @classmethod
-    def _from_legacy(cls, data: dict[str, Any]) -> KVCacheConfig:
-        """0.1 wrote every method's options flat; keep what applies to the method.
-
-        ``None`` meant "the method's default" and the other methods' fields were
-        ignored by 0.1 too, so both are dropped.
-        """
-        method = data.get("method", "none")
-        opts_cls = _options_class(method)
-        values = {}
-        for key, value in data.items():
-            if key in _LEGACY_SHARED or value is None:
-                continue
-            name = opts_cls.resolve_name(key)
-            if name is not None:
-                values[name] = value
-            elif not _known_legacy_field(key):
-                raise ConfigError(f"unknown KVCacheConfig field {key!r} in a saved config")
-        shared = {k: data[k] for k in SHARED if k in data}
-        return cls(method, opts_cls.from_kwargs(values), **shared)
 
     def to_string(self) -> str:
         """``method:key=value,...`` with the fields that differ from the defaults."""
@@ -222,14 +222,6 @@ class KVCacheConfig:
         return cls.from_dict(data)
 
 
-def _known_legacy_field(key: str) -> bool:
-    """Whether ``key`` was a field of 0.1's flat config (of some method)."""
-    from veloxquant_mlx.registry import methods
-
-    return key in ("bits", "group_size", "window") or any(
-        cls.Options.resolve_name(key) is not None for cls in methods().values())
-
-
 def parse_value(raw: str) -> Any:
     """``"none"`` -> None, ``"true"`` -> True, numbers -> int/float, else the string."""
     low = raw.lower()
@@ -250,16 +242,15 @@ def _check_rotatable(method: str, options: MethodOptions) -> None:
     """``rotate=True`` needs a method whose stored K/V only meet queries in dot products."""
     from veloxquant_mlx.registry import get_method, methods
 
-    if not getattr(get_method(method), "rotatable", False):
-        able = sorted(n for n, c in methods().items() if getattr(c, "rotatable", False))
+    cls = get_method(method)
+    if not cls.rotatable:
+        able = sorted(n for n, c in methods().items() if c.rotatable)
         raise config_error("rotate", True, f"False for method {method!r}: it does not "
                            f"attend by dot products over the keys/values it stores (methods "
-                           f"that take rotate=True: {able}; turboquant has its own rotate "
-                           "option)")
-    if getattr(options, "pre_rope", False):
-        raise config_error("rotate", True, f"False while {method}.pre_rope=True: keys "
-                           "stored before RoPE would be rotated by position, and a fixed "
-                           "rotation does not commute with RoPE (set pre_rope=false)")
+                           f"that take rotate=True: {able})")
+    why = cls.rotation_refusal(options)
+    if why is not None:
+        raise config_error("rotate", True, why)
 
 
 def parse_layers(text: str) -> dict[int, dict[str, Any]]:
@@ -332,7 +323,7 @@ def _layer_overrides(layers: Any, method: str, options: MethodOptions
             raise config_error("layers", layers, "{layer index: {option: value}}")
         names = {}
         for name, value in override.items():
-            resolved = cls.resolve_name(name)
+            resolved = compat.field_name(cls, name)
             if resolved is None:
                 raise ConfigError(f"layers: unknown option {name!r} for method {method!r} "
                                   f"(layer {where}); its options are {cls.field_names()}")

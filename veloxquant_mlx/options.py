@@ -13,9 +13,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-# Option names that 0.1's flat config shared between methods (no method prefix).
-UNPREFIXED_01 = ("bits", "group_size", "window")
-
 
 class ConfigError(ValueError):
     """A config or option field holds a value the method does not allow."""
@@ -32,8 +29,6 @@ class MethodOptions:
 
     # The registry sets this to the method name (used in error messages).
     method: ClassVar[str] = ""
-    # Field names of the flat 0.1 ``KVCacheConfig`` that map to another field here.
-    legacy_names: ClassVar[dict[str, str]] = {}
 
     # ---- checks for ``__post_init__`` ----
     def error(self, name: str, allowed: str) -> ConfigError:
@@ -75,34 +70,22 @@ class MethodOptions:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def resolve_name(cls, key: str) -> str | None:
-        """The field ``key`` names: itself, a legacy name, or ``<method>_<field>``."""
-        names = cls.field_names()
-        if key in names:
-            return key
-        if key in cls.legacy_names:
-            return cls.legacy_names[key]
-        prefix = cls.method.split("_")[0] + "_"
-        if key.startswith(prefix) and key[len(prefix):] in names:
-            return key[len(prefix):]
-        return None
-
-    @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], base: MethodOptions | None = None
                     ) -> MethodOptions:
-        """Options from keyword values (legacy and prefixed names accepted).
+        """Options from keyword values, by field name (``KVCacheConfig`` reads 0.1's
+        names through ``compat`` first).
 
-        ``None`` for an option whose default is not ``None`` means "the default", as
-        it did in 0.1.
+        ``None`` for an option whose default is not ``None`` means "the default" (also
+        what ``key=none`` in a spec or flag parses to).
         """
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
-        for key, value in kwargs.items():
-            name = cls.resolve_name(key)
-            if name is None:
+        for name, value in kwargs.items():
+            if name not in defaults:
+                names = cls.field_names()
                 raise ConfigError(
-                    f"unknown option {key!r} for method {cls.method!r}; its options are "
-                    f"{cls.field_names() or 'none'}")
+                    f"unknown option {name!r} for method {cls.method!r}; " +
+                    (f"its options are {names}" if names else "it has no options"))
             if value is None and defaults[name] is not None:
                 continue
             values[name] = value

@@ -22,8 +22,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx.adapter.mlx_lm import (
     SlotProbe,
+    bind_routing,
     check_attention_routing,
-    install_attention_routing,
     method_caps,
     model_layers,
     model_name,
@@ -162,7 +162,7 @@ class KVCacheBuilder:
             caches[i] = SlidingCache(method_cls, config, info) if modes[i] == "ring" \
                 else method_cls(config, info)
         method_cls.after_build([caches[i] for i in slots], config, model)
-        install_attention_routing(model)
+        bind_routing(model, layers)
         return caches
 
     @staticmethod
@@ -175,7 +175,7 @@ class KVCacheBuilder:
         for method_cls in methods().values():
             method_cls.detach(model)
         uninstall_reconstruction(model)
-        uninstall_attention_routing()
+        uninstall_attention_routing(model)  # this model's lease only
 
 
 def cache_stats(caches: list[Any]) -> dict[str, Any]:

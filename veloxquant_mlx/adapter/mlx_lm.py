@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,11 +42,20 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from veloxquant_mlx.cache.module_call import bind_call, call_per_row
+from veloxquant_mlx.cache.base import depend_on_state
+from veloxquant_mlx.cache.module_call import (
+    below,
+    bind_call,
+    call_per_row,
+    hook_module,
+    hook_names,
+    original_class,
+    unhook_module,
+)
 from veloxquant_mlx.errors import UnsupportedModelError
 
 __all__ = ["AttentionLayout", "SlotProbe", "UnsupportedModelError", "attention_layout",
-           "attention_module", "attention_routing", "check_attention_routing",
+           "attention_module", "attention_routing", "bind_routing", "check_attention_routing",
            "install_attention_routing", "install_reconstruction", "method_caps", "model_layers",
            "model_name", "probe_model", "reconstruction_installed", "rope_params",
            "routed_scaled_dot_product_attention", "routing_installed",
@@ -53,7 +63,11 @@ __all__ = ["AttentionLayout", "SlotProbe", "UnsupportedModelError", "attention_l
 
 _ORIGINAL_SDPA = mlx_base.scaled_dot_product_attention
 _PATCHED: dict[str, Any] = {}
-_ACTIVE = False
+# Who needs routing: a count per model (weakly referenced) and per process (``None``:
+# code that builds caches by hand). The modules stay patched while any lease is held,
+# so detaching one model never changes another model's attention.
+_LEASES: dict[int, list[Any]] = {}  # id -> [weakref to the model or None, count]
+_PROCESS = 0
 
 
 def routed_scaled_dot_product_attention(
@@ -65,44 +79,40 @@ def routed_scaled_dot_product_attention(
     mask: Any,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """Drop-in for mlx_lm's ``scaled_dot_product_attention`` that honours ``attend``."""
+    """Drop-in for mlx_lm's ``scaled_dot_product_attention`` that honours ``attend``.
+
+    The output depends on what the cache holds after the step (``mx.depends``), so
+    evaluating the logits also materializes the new codes and frees the chunk's
+    full-precision keys and values, whether or not the caller evaluates the state.
+    """
     if getattr(cache, "attends", False):
         if sinks is not None:
             raise NotImplementedError(
                 f"{type(cache).__name__} does not support attention sinks (gpt-oss style)"
             )
-        return cache.attend(queries, scale=scale, mask=mask)
+        return depend_on_state(cache.attend(queries, scale=scale, mask=mask), cache)
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask,
                           sinks=sinks)
 
 
-def _model_modules() -> list[str]:
-    return [
+def _model_modules(model: nn.Module | None) -> list[str]:
+    """Loaded mlx_lm model modules (and the model's own classes' modules) that call
+    mlx_lm's attention function by name."""
+    names = {
         name for name, mod in list(sys.modules.items())
         # Not base itself: modules imported later would copy the wrapper from it, and
         # uninstalling could not find them.
         if name.startswith("mlx_lm.models.") and name != "mlx_lm.models.base"
         and mod is not None
-        and getattr(mod, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA
-    ]
-
-
-def install_attention_routing(model: nn.Module | None = None) -> list[str]:
-    """Route attention through ``cache.attend`` in every loaded mlx_lm model module.
-
-    Returns the names of the modules patched by this call. Idempotent. Caches without
-    ``attend`` see no change at all.
-    """
-    global _ACTIVE
-    _ACTIVE = True
-    names = _model_modules()
+    }
     if model is not None:
-        for m in (type(model), *(type(x) for _, x in model.named_modules())):
-            mod_name = m.__module__
-            mod = sys.modules.get(mod_name)
-            if mod is not None and getattr(mod, "scaled_dot_product_attention", None) \
-                    is _ORIGINAL_SDPA and mod_name not in names:
-                names.append(mod_name)
+        names |= {type(m).__module__ for m in (model, *(x for _, x in model.named_modules()))}
+    return sorted(n for n in names if getattr(sys.modules.get(n), "scaled_dot_product_attention",
+                                              None) is _ORIGINAL_SDPA)
+
+
+def _patch(model: nn.Module | None) -> list[str]:
+    names = _model_modules(model)
     for name in names:
         mod = sys.modules[name]
         _PATCHED[name] = mod.scaled_dot_product_attention
@@ -110,10 +120,10 @@ def install_attention_routing(model: nn.Module | None = None) -> list[str]:
     return names
 
 
-def uninstall_attention_routing() -> None:
-    """Put mlx_lm's original attention function back everywhere it was replaced."""
-    global _ACTIVE
-    _ACTIVE = False
+def _unpatch_if_unused() -> None:
+    """Put mlx_lm's function back once no model and no process lease needs routing."""
+    if _PROCESS or any(_lease_alive(key) for key in list(_LEASES)):
+        return
     for name, original in list(_PATCHED.items()):
         mod = sys.modules.get(name)
         if mod is not None:
@@ -121,10 +131,77 @@ def uninstall_attention_routing() -> None:
         del _PATCHED[name]
 
 
+def _lease_alive(key: int) -> bool:
+    entry = _LEASES.get(key)
+    if entry is None:
+        return False
+    if entry[0]() is None:  # the model is gone
+        del _LEASES[key]
+        return False
+    return entry[1] > 0
+
+
+def _model_gone(key: int) -> None:
+    _LEASES.pop(key, None)
+    _unpatch_if_unused()
+
+
+def install_attention_routing(model: nn.Module | None = None) -> list[str]:
+    """Route attention through ``cache.attend`` in every loaded mlx_lm model module.
+
+    Takes a lease for ``model`` (held until ``uninstall_attention_routing(model)``,
+    ``KVCacheBuilder.detach(model)`` or the model's garbage collection) or, without a
+    model, for the process. Returns the names of the modules patched by this call.
+    Caches without ``attend`` see no change at all.
+    """
+    global _PROCESS
+    if model is None:
+        _PROCESS += 1
+    else:
+        key = id(model)
+        if not _lease_alive(key):
+            _LEASES[key] = [weakref.ref(model, lambda _r, k=key: _model_gone(k)), 0]
+        _LEASES[key][1] += 1
+    return _patch(model)
+
+
+def uninstall_attention_routing(model: nn.Module | None = None, everything: bool = False
+                                ) -> None:
+    """Release ``model``'s routing leases (without a model: the process's).
+
+    mlx_lm's original function comes back once no lease is left; other models'
+    routing is untouched. ``everything`` drops every lease (tests).
+    """
+    global _PROCESS
+    if everything:
+        _LEASES.clear()
+        _PROCESS = 0
+    elif model is None:
+        _PROCESS = 0
+    else:
+        _LEASES.pop(id(model), None)
+    _unpatch_if_unused()
+
+
+def routing_check(model: nn.Module) -> Callable[[], bool]:
+    """A check that ``model``'s routing lease is still held (caches call it per step:
+    a cache of a detached model must fail loudly, not attend over its chunk alone)."""
+    key = id(model)
+    return lambda: _lease_alive(key)
+
+
+def bind_routing(model: nn.Module, layers: list[Any]) -> None:
+    """Take ``model``'s routing lease and give each compressed layer its check."""
+    install_attention_routing(model)
+    check = routing_check(model)
+    for info in layers:
+        info.routing = check
+
+
 def routing_installed(module_name: str | None = None) -> bool:
     """Whether routing is active (in ``module_name``, or anywhere)."""
     if module_name is None:
-        return _ACTIVE
+        return bool(_PATCHED)
     mod = sys.modules.get(module_name)
     return mod is not None and getattr(mod, "scaled_dot_product_attention", None) \
         is routed_scaled_dot_product_attention
@@ -132,14 +209,17 @@ def routing_installed(module_name: str | None = None) -> bool:
 
 @contextmanager
 def attention_routing(model: nn.Module | None = None) -> Iterator[None]:
-    """``with attention_routing(model): ...`` installs routing and removes it after."""
-    was_active = _ACTIVE
+    """``with attention_routing(model): ...`` holds a lease for the block only."""
+    global _PROCESS
     install_attention_routing(model)
     try:
         yield
     finally:
-        if not was_active:
-            uninstall_attention_routing()
+        if model is None:
+            _PROCESS = max(0, _PROCESS - 1)
+        elif _lease_alive(id(model)):
+            _LEASES[id(model)][1] -= 1
+        _unpatch_if_unused()
 
 
 # ---------------------------------------------------------------- introspection
@@ -407,8 +487,9 @@ def _probe_slots(caches: list[Any]) -> dict[int, _ProbeCache]:
 
 @contextmanager
 def _probing(model: nn.Module, probes: list[_ProbeCache]) -> Iterator[None]:
-    """Routing with ``_probing_sdpa`` in place of the routed function."""
-    install_attention_routing(model)
+    """Routing with ``_probing_sdpa`` in place of the routed function (no lease: the
+    build takes one after the probe)."""
+    _patch(model)
     names = [n for n in _PATCHED if sys.modules.get(n) is not None]
     for n in names:
         sys.modules[n].scaled_dot_product_attention = _probing_sdpa
@@ -419,6 +500,7 @@ def _probing(model: nn.Module, probes: list[_ProbeCache]) -> Iterator[None]:
         _PROBES.clear()
         for n in names:
             sys.modules[n].scaled_dot_product_attention = routed_scaled_dot_product_attention
+        _unpatch_if_unused()
 
 
 def probe_model(model: nn.Module) -> list[SlotProbe | None]:
@@ -471,9 +553,11 @@ class _DenseView:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         out = self._cache.update_and_fetch(keys, values)
-        if not getattr(self._cache, "attends", False):
-            return out  # such caches return their dense keys and values already
-        return self._cache.dense_kv(keys.dtype)
+        if getattr(self._cache, "attends", False):
+            out = self._cache.dense_kv(keys.dtype)
+        # Caches that return dense keys already, too: the layer's output must depend on
+        # the stored form, or the chunk's full-precision copy stays alive with it.
+        return tuple(depend_on_state(list(out), self._cache))
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         return self._cache.dense_kv()
@@ -488,9 +572,12 @@ def _is_compressed(obj: Any) -> bool:
         not isinstance(obj, _DenseView)
 
 
+_RECON = "Reconstructing"
+
+
 def _reconstructing_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    base = type(self)._vq_recon_base
-    call = bind_call(base.__call__, self, args, kwargs, _is_compressed)
+    call = bind_call(below(self, _RECON).__call__, self, args, kwargs, _is_compressed)
+    base = original_class(self)
     cache = call.cache
     if cache is None:
         lists = [v for v in call.arguments.values() if isinstance(v, (list, tuple))]
@@ -506,36 +593,23 @@ def _reconstructing_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return call.run(**{n: _DenseView(call.arguments[n]) for n in call.cache_names})
 
 
-_RECON_CLASSES: dict[type, type] = {}
-
-
 def install_reconstruction(modules: list[nn.Module]) -> None:
-    """Hand ``modules`` dense views of the compressed caches they are called with.
-
-    Swaps each instance's class for a subclass (reversible, weights untouched).
-    Idempotent.
-    """
+    """Hand ``modules`` dense views of the compressed caches they are called with
+    (``module_call.hook_module``: reversible, weights untouched). Idempotent."""
     for mod in modules:
-        cls = type(mod)
-        if "_vq_recon_base" in cls.__dict__:
-            continue
-        if cls not in _RECON_CLASSES:
-            _RECON_CLASSES[cls] = type(f"Reconstructing{cls.__name__}", (cls,),
-                                       {"__call__": _reconstructing_call,
-                                        "_vq_recon_base": cls})
-        mod.__class__ = _RECON_CLASSES[cls]
+        if _RECON not in hook_names(mod):
+            hook_module(mod, _reconstructing_call, _RECON)
 
 
 def reconstruction_installed(model: nn.Module) -> bool:
     """Whether some module of ``model`` has the reconstruction hook."""
-    return any("_vq_recon_base" in type(m).__dict__ for m in model.modules())
+    return any(_RECON in hook_names(m) for m in model.modules())
 
 
 def uninstall_reconstruction(model: nn.Module) -> None:
-    """Restore the original class of every module with the reconstruction hook."""
+    """Remove the reconstruction hook from every module of ``model`` (others stay)."""
     for mod in model.modules():
-        if "_vq_recon_base" in type(mod).__dict__:
-            mod.__class__ = type(mod)._vq_recon_base
+        unhook_module(mod, _RECON)
 
 
 # ---------------------------------------------------------------- the routing check
@@ -544,11 +618,11 @@ _WARNED: set[tuple[str, str]] = set()
 
 def method_caps(cls: type) -> tuple[bool, bool, bool]:
     """Whether a cache class attends itself, can rebuild dense K/V, and takes over the
-    owning module's call with a hook of its own (XQuant's ``update_x``)."""
+    owning module's call with a hook of its own (``hooks_module``: XQuant's X hook)."""
     from veloxquant_mlx.cache.base import CompressedCache
 
     return (bool(cls.attends), cls.dense_kv is not CompressedCache.dense_kv,
-            hasattr(cls, "update_x"))
+            bool(cls.hooks_module))
 
 
 def _method_caps(method: str) -> tuple[bool, bool, bool]:
@@ -558,7 +632,7 @@ def _method_caps(method: str) -> tuple[bool, bool, bool]:
 
 
 def _where(probes: list[SlotProbe]) -> str:
-    mods = {f"{type(m).__module__}.{getattr(type(m), '_vq_recon_base', type(m)).__name__}"
+    mods = {f"{original_class(m).__module__}.{original_class(m).__name__}"
             for p in probes for m in p.modules()[:1]}
     return ", ".join(sorted(mods)) or "?"
 

@@ -1,5 +1,10 @@
 """The README's main job: one prompt answered with the dense and a compressed cache,
-and the cache bytes each one really holds at a longer context."""
+and the cache bytes each one really holds at a longer context.
+
+An application on the adapter alone (not a tool of ``eval``): the bytes a cache keeps
+depend on how many tokens it holds, not on their text, so the memory table prefills
+fixed token ids (as the server's memory probe does) instead of the evaluation corpus.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import mlx.nn as nn
 import mlx_lm
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder
+from veloxquant_mlx.adapter.retained import measure_retained
+from veloxquant_mlx.apps.server_limits import probe_tokens
 from veloxquant_mlx.config import KVCacheConfig
 
 QUESTION = "What is the capital of France?"
@@ -24,32 +31,18 @@ def answer(model: nn.Module, tokenizer: Any, config: KVCacheConfig,
                            prompt_cache=caches).strip()
 
 
-def memory_table(model: nn.Module, tokenizer: Any, configs: list[KVCacheConfig],
+def memory_table(model: nn.Module, configs: list[KVCacheConfig],
                  context: int) -> list[dict[str, Any]]:
     """Real (allocator) and declared bytes of every config after ``context`` tokens."""
-    from veloxquant_mlx.eval.memory import measure_retained
-    from veloxquant_mlx.eval.text import stdlib_text
-
-    # About 4 characters per token: encode only a prefix that surely covers the context.
-    tokens = tokenizer.encode(stdlib_text()[: context * 12])[:context]
-    if len(tokens) < context:
-        raise ValueError(f"the demo text has only {len(tokens)} tokens, fewer than "
-                         f"context={context}")
+    tokens = probe_tokens(model, context)
     rows = []
     for config in configs:
         m = measure_retained(model, config, tokens, decode_steps=0)
-        rows.append({"method": describe(config), "real_bytes": m["real_prefill_bytes"],
+        rows.append({"method": config.to_string(), "real_bytes": m["real_prefill_bytes"],
                      "held_bytes": m["declared_prefill_bytes"],
                      "fp16_bytes": m["fp16_prefill_bytes"],
                      "ratio": m["real_over_fp16_prefill"], "prefill_s": m["prefill_s"]})
     return rows
-
-
-def describe(config: KVCacheConfig) -> str:
-    """Short label: the method and the options that differ from the defaults."""
-    from veloxquant_mlx.eval.perplexity import config_label
-
-    return config_label(config)
 
 
 def run_demo(method: str = "affine:bits=4", context: int = 1024) -> int:
@@ -62,10 +55,10 @@ def run_demo(method: str = "affine:bits=4", context: int = 1024) -> int:
     model, tokenizer = load()
     print(f"\nQ: {QUESTION}")
     for cfg in (dense, config):
-        print(f"[{describe(cfg)}] A: {answer(model, tokenizer, cfg)}", flush=True)
+        print(f"[{cfg.to_string()}] A: {answer(model, tokenizer, cfg)}", flush=True)
 
     print(f"\nKV-cache bytes after {context} tokens of context (all {len(model.layers)} layers):")
-    rows = memory_table(model, tokenizer, [dense, config], context)
+    rows = memory_table(model, [dense, config], context)
     print("| method | real bytes | declared bytes | fp16-equivalent bytes | real / fp16 |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:

@@ -58,6 +58,7 @@ from veloxquant_mlx.adapter.mlx_lm import (
     model_layers,
 )
 from veloxquant_mlx.options import ConfigError, config_error
+from veloxquant_mlx.registry import get_method
 
 __all__ = ["RankMismatchError", "ShardPlan", "ShardingError", "check_same_on_ranks",
            "load_for_ranks", "plan_sharding", "rank_path", "replication_warning",
@@ -68,8 +69,6 @@ SHARD_MODES = ("auto", "tensor", "pipeline")
 # Variables that mlx.launch (ring, JACCL, NCCL) or mpirun set in every rank.
 _LAUNCH_ENV = ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "MLX_JACCL_COORDINATOR",
                "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-# Methods whose cache holds the layer input X, which tensor parallelism replicates.
-_X_METHODS = ("xquant", "xquant_cl")
 _RANK_SUFFIX = re.compile(r"\.rank(\d+)-of-(\d+)$")
 _PLAN: ShardPlan | None = None  # how this process's model was sharded (saved caches)
 
@@ -532,26 +531,30 @@ def _as_config(config: Any) -> Any:
 def replication_warning(model: nn.Module, config: Any, plan: ShardPlan) -> str | None:
     """Why ``config``'s caches do not shrink with the world size, or ``None``.
 
-    XQuant caches the attention input X; tensor parallelism gives every rank the whole
-    X. XQuant's latent mode stores the rank's own K/V latents instead (sharded) when they
-    are narrower than X on that rank.
+    The method says what of its cache tensor parallelism replicates
+    (``replicated_by_tensor_parallelism``): XQuant caches the attention input X, which
+    every rank has whole, unless its latent mode stores the rank's own, narrower, K/V
+    latents (sharded).
     """
     config = _as_config(config)
-    if config is None or plan.mode != "tensor" or config.method not in _X_METHODS:
+    if config is None or plan.mode != "tensor":
         return None
     attn = next((a for a in map(attention_module, model_layers(model)) if a is not None),
                 None)
     if attn is None:
         return None
     # Rows of a (sharded, possibly quantized) projection are its outputs on this rank.
-    kv_width = int(attn.k_proj.weight.shape[0] + attn.v_proj.weight.shape[0])
+    projs = [getattr(attn, name, None) for name in ("k_proj", "v_proj")]
+    kv_width = sum(int(p.weight.shape[0]) for p in projs if p is not None)
     hidden = int(getattr(getattr(model, "args", None), "hidden_size", 0) or kv_width)
-    if config.method == "xquant" and config.options.latent and kv_width < hidden:
+    what = get_method(config.method).replicated_by_tensor_parallelism(config.options,
+                                                                      kv_width, hidden)
+    if what is None:
         return None
-    return (f"method {config.method!r} caches the layer input X ({hidden} values per token "
-            f"and layer), which tensor parallelism replicates: each of the {plan.size} "
-            "ranks holds the whole X cache, as much as one process would (the held bytes "
-            "each rank prints at the end are per rank; docs/distributed.md has measurements)")
+    return (f"method {config.method!r} caches {what}, which tensor parallelism replicates: "
+            f"each of the {plan.size} ranks holds the whole cache, as much as one process "
+            "would (the held bytes each rank prints at the end are per rank; "
+            "docs/distributed.md has measurements)")
 
 
 def _warn_replicated(model: nn.Module, config: Any, plan: ShardPlan) -> None:

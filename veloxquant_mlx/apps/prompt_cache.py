@@ -23,7 +23,11 @@ import numpy as np
 
 from veloxquant_mlx._version import __version__
 from veloxquant_mlx.adapter.builder import KVCacheBuilder
-from veloxquant_mlx.adapter.mlx_lm import check_attention_routing, install_attention_routing
+from veloxquant_mlx.adapter.mlx_lm import (
+    bind_routing,
+    check_attention_routing,
+    install_attention_routing,
+)
 from veloxquant_mlx.apps.distributed import (
     rank_path,
     saved_world_hint,
@@ -229,7 +233,10 @@ def load_prompt_cache(path: str | Path, model: Any = None,
     if model is not None and method_cls.attends:
         check_attention_routing(model, idx, config.method)
     method_cls.after_build(compressed, config, model)
-    install_attention_routing(model)
+    if model is None:
+        install_attention_routing()  # no model to lease for: the process holds it
+    else:
+        bind_routing(model, [c.layer for c in compressed])
     if return_metadata:
         return caches, header["metadata"]
     return caches

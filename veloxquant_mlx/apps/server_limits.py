@@ -3,9 +3,9 @@
 - ``KVCost``: the bytes a request's caches keep alive, as a function of its tokens. It
   is measured at server start on the loaded model (``measure_kv_cost``): fresh caches
   are prefilled with ``probe`` and ``2 * probe`` tokens and MLX's allocator is read
-  before and after each prefill (``veloxquant_mlx.eval.memory.measure_retained``). The
-  line through the two readings gives bytes per token and a fixed part; a request of
-  ``T`` tokens reserves ``fixed + per_token * (T + 256)``: dense caches (mlx_lm's
+  before and after each prefill (``adapter.retained.measure_retained``). The line
+  through the two readings gives bytes per token and a fixed part; a request of ``T``
+  tokens reserves ``fixed + per_token * (T + 256)``: dense caches (mlx_lm's
   ``KVCache``, ``none``) grow in 256-token steps beyond the tokens they hold, wherever
   the server's chunks end. No storage formula is involved.
 - ``KVBudget``: concurrent requests share ``--max-kv-memory``. A request reserves its
@@ -107,7 +107,7 @@ class KVCost:
         text = (f"{self.method} keeps {format_bytes(self.per_token)} of KV per token "
                 f"(+{format_bytes(self.fixed)} per request), measured at start")
         ratio = self.dense_ratio()
-        if ratio is not None and self.method != "none":
+        if ratio is not None and self.method != KVCacheConfig().to_string():
             text += (f"; {self.method} fits {ratio:.1f}x the tokens of dense "
                      f"({format_bytes(self.dense_per_token or 0)} per token)")
         return text
@@ -128,7 +128,7 @@ def probe_tokens(model: Any, n: int) -> list[int]:
 
 def _line(model: Any, config: KVCacheConfig, probe: int, chunk: int
           ) -> tuple[float, int, tuple[int, int]]:
-    from veloxquant_mlx.eval.memory import measure_retained
+    from veloxquant_mlx.adapter.retained import measure_retained
 
     real = tuple(measure_retained(model, config, probe_tokens(model, n), decode_steps=0,
                                   chunk=chunk)["real_prefill_bytes"] for n in (probe, 2 * probe))
@@ -148,8 +148,8 @@ def measure_kv_cost(model: Any, config: KVCacheConfig, probe: int = TOKEN_STEP,
     """
     per_token, fixed, real = _line(model, config, probe, chunk)
     dense = per_token
-    if config.method != "none":
-        dense = _line(model, KVCacheConfig(method="none"), probe, chunk)[0]
+    if not config.is_reference:
+        dense = _line(model, KVCacheConfig(), probe, chunk)[0]
     return KVCost(method=config.to_string(), per_token=per_token, fixed=fixed,
                   probe_tokens=(probe, 2 * probe), probe_bytes=real, dense_per_token=dense)
 

@@ -16,21 +16,26 @@ no dequantized copy; prefill attends in bounded key blocks (``ops.attention``). 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, require_group_divides
-from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.cache.base import LayerInfo, require_group_divides
+from veloxquant_mlx.cache.numerics import (
+    StoredNumerics,
+    Stream,
+    affine_roundtrip,
+    cast,
+    code_flips,
+)
+from veloxquant_mlx.cache.segments import Dense, StoredForm, TokenCodes
+from veloxquant_mlx.cache.stored import StoredFormCache
 from veloxquant_mlx.ops import quantize as q
-from veloxquant_mlx.ops.attention import Slot, attend_parts, slot_parts
 from veloxquant_mlx.options import MethodOptions
-from veloxquant_mlx.registry import register
+from veloxquant_mlx.register import register
 
-
-def reserve(n: int) -> int:
-    """Spare token slots added when a buffer grows to ``n`` tokens (~3%)."""
-    return n // 32
+if TYPE_CHECKING:
+    from veloxquant_mlx.config import KVCacheConfig
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class AffineOptions(MethodOptions):
 
 
 @register
-class AffineCache(CompressedCache):
+class AffineCache(StoredFormCache):
     """Quantized K and V codes with per-group scales/biases, plus an fp window."""
 
     method = "affine"
@@ -62,6 +67,7 @@ class AffineCache(CompressedCache):
     Options = AffineOptions
     attends = True
     rotatable = True
+    drops_front = True  # codes are per token: any number of the oldest tokens can go
     meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
     compute_dtype = mx.float32
     # Multiply on the packed codes (``mx.quantized_matmul``) instead of dequantizing
@@ -74,163 +80,75 @@ class AffineCache(CompressedCache):
         return [dict(bits=b, group_size=g, window=32)
                 for b, g in ((8, 64), (6, 64), (5, 32), (4, 32), (3, 32), (2, 32))]
 
+    @classmethod
+    def drop_front(cls, state: list[Any], n: int, opts: Any) -> list[Any]:
+        # Per-token codes first, then the full-precision window (tokens on axis 2).
+        from veloxquant_mlx.ops.buffers import without_front
+
+        win_k, win_v, *codes = state
+        m = min(n, 0 if codes[0] is None else codes[0].shape[2])
+        return [without_front(win_k, n - m, 2), without_front(win_v, n - m, 2),
+                *(without_front(a, m, 2) for a in codes)]
+
+    @classmethod
+    def precision_ladders(cls) -> dict[str, dict[str, Any]]:
+        return {cls.method: {"base": {"group_size": 32, "rotate": True},
+                             "knobs": {"bits": (2, 3, 4, 8)},
+                             "streams": {"bits": ("keys", "values")}}}
+
+    @classmethod
+    def small_options(cls) -> dict[str, Any]:
+        return dict(bits=4, group_size=32, window=4)
+
+    @classmethod
+    def lossless_options(cls) -> dict[str, Any]:
+        return dict(bits=8, group_size=32)
+
+    @classmethod
+    def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
+        """Every token older than the window is read back as its per-token codes, coded
+        as soon as it is stored (a chunk longer than the window attends over its own
+        codes), from the window dtype (from the input when the window was empty). Exact
+        but for code flips (measured: at most 0.16 of a step at 4 and 8 bits)."""
+        o = config.layer_options(layer.layer_idx)
+        # The window is held in the window dtype; without one, codes come from the input.
+        hold = cast(config.window_dtype) if o.window else None
+        s = Stream(affine_roundtrip(o.bits, o.group_size), keep=o.window, hold=hold,
+                   fresh_from_input=True)
+        return StoredNumerics(s, s, bound=code_flips(o.bits, 0.4))
+
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
         self.n_bits = self.opts.bits
         self.group_size = self.opts.group_size
         self.window = self.opts.window
-        # [codes, scales, biases] buffers of keys and values; the first n_q slots are used.
-        self.kbuf: list[mx.array] | None = None
-        self.vbuf: list[mx.array] | None = None
-        self.n_q = 0
-        self.win_keys: mx.array | None = None
-        self.win_values: mx.array | None = None
         require_group_divides(self.layer, self.group_size, self.method)
-
-    # ---- the quantized part ----
-    def _part(self, buf: list[mx.array] | None) -> q.Quantized | None:
-        if buf is None or self.n_q == 0:
-            return None
-        if buf[0].shape[2] != self.n_q:
-            buf = [a[:, :, :self.n_q] for a in buf]
-        return q.Quantized(*buf, self.n_bits, self.group_size)
-
-    @property
-    def qkeys(self) -> q.Quantized | None:
-        return self._part(self.kbuf)
-
-    @property
-    def qvalues(self) -> q.Quantized | None:
-        return self._part(self.vbuf)
-
-    def _append_codes(self, k: mx.array, v: mx.array) -> None:
-        qk = q.quantize(k, self.n_bits, self.group_size)
-        qv = q.quantize(v, self.n_bits, self.group_size)
-        n, L = self.n_q, k.shape[2]
-        if self.kbuf is None or n + L > self.kbuf[0].shape[2]:
-            # Grow with a small reserve so decode steps write in place, not concatenate.
-            spare = reserve(n + L)
-            self.kbuf, self.vbuf = (
-                [_grown(b, new, n, spare) for b, new in
-                 zip(buf or [None] * 3, part.arrays)]
-                for buf, part in ((self.kbuf, qk), (self.vbuf, qv))
-            )
-        else:
-            for buf, part in ((self.kbuf, qk), (self.vbuf, qv)):
-                for i, new in enumerate(part.arrays):
-                    buf[i][:, :, n:n + L] = new
-        self.n_q = n + L
+        d, dv = self.layer.head_dim, self.layer.v_head_dim
+        # Per-token codes, then the full-precision window; saved window first (the
+        # layout of earlier saved files).
+        self.codes = (TokenCodes(self.n_bits, self.group_size, d),
+                      TokenCodes(self.n_bits, self.group_size, dv))
+        self.win = (Dense(), Dense())
+        self.stored = StoredForm([self.codes[0], self.win[0]], [self.codes[1], self.win[1]],
+                                 state_order=[*self.win, *self.codes])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.check_input(keys, values)
-        self.batch_size = keys.shape[0]
-        self.compute_dtype = keys.dtype
-        self.offset += keys.shape[2]
+        self.begin(keys, values)
         if self.window == 0:
-            self._append_codes(keys, values)
+            self.codes[0].append(keys)
+            self.codes[1].append(values)
             return keys, values
         wdt = self.window_dtype(keys.dtype)
-        if self.win_keys is None:
-            wk, wv = keys, values
-        else:
-            # The window is small (``window`` tokens): joining it is cheap.
-            wk = mx.concatenate([self.win_keys, keys.astype(wdt)], axis=2)
-            wv = mx.concatenate([self.win_values, values.astype(wdt)], axis=2)
-        overflow = wk.shape[2] - self.window
-        if overflow > 0:
-            # Quantize from the incoming precision where possible (no fp16 round trip).
-            self._append_codes(wk[:, :, :overflow].astype(keys.dtype),
-                               wv[:, :, :overflow].astype(values.dtype))
-            wk, wv = wk[:, :, overflow:], wv[:, :, overflow:]
-        wk, wv = wk.astype(wdt), wv.astype(wdt)
-        if overflow > 1:
-            # A kept slice pins its whole parent (window + chunk): copy it out (no-op when
-            # the cast made a new buffer). A decode step pins one token more, no copy.
-            wk, wv = mx.contiguous(wk), mx.contiguous(wv)
-        self.win_keys, self.win_values = wk, wv
+        for codes, win, x in zip(self.codes, self.win, (keys, values)):
+            win.dtype = wdt
+            # Joining the window is cheap (``window`` tokens); the first chunk is coded
+            # from its incoming precision (no round trip through the window dtype).
+            held = x if win.x is None else mx.concatenate([win.x, x.astype(wdt)], axis=2)
+            overflow = held.shape[2] - self.window
+            if overflow > 0:
+                codes.append(held[:, :, :overflow].astype(x.dtype))
+                held = held[:, :, overflow:]
+            # A kept slice of a multi-token chunk pins window + chunk: copy it out. A
+            # decode step pins one token more, no copy.
+            win.set(held, copy=overflow > 1)
         return keys, values
-
-    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
-        """Transient dense keys/values (dequantized codes followed by the window)."""
-        dtype = dtype or self.compute_dtype
-        ks, vs = [], []
-        if self.n_q:
-            ks.append(q.dequantize(self.qkeys, dtype))
-            vs.append(q.dequantize(self.qvalues, dtype))
-        if self.win_keys is not None:
-            ks.append(self.win_keys.astype(dtype))
-            vs.append(self.win_values.astype(dtype))
-        if len(ks) == 1:
-            return ks[0], vs[0]
-        return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
-
-    def attention_slots(self) -> tuple[list[Slot], list[Slot]]:
-        """Key and value slots in token order: the codes, then the window."""
-        meta, packed = (self.n_bits, self.group_size), self.use_quantized_matmul
-        n_win = 0 if self.win_keys is None else self.win_keys.shape[2]
-        out = []
-        for part, win in ((self.qkeys, self.win_keys), (self.qvalues, self.win_values)):
-            out.append([Slot("token", part.arrays if part else [], self.n_q, meta, packed),
-                        Slot("dense", [] if win is None else [win], n_win)])
-        return out[0], out[1]
-
-    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
-        keys, values = self.attention_slots()
-        return attend_parts(queries, slot_parts(keys), slot_parts(values), scale, mask)
-
-    # ---- storage ----
-    def held_arrays(self) -> list[mx.array]:
-        out = [self.win_keys, self.win_values, *(self.kbuf or []), *(self.vbuf or [])]
-        return [a for a in out if a is not None]
-
-    def accounted_bytes(self) -> int:
-        B, H = max(self.batch_size, 1), self.layer.n_kv_heads
-        n_win = 0 if self.win_keys is None else self.win_keys.shape[2]
-        slots = 0 if self.kbuf is None else self.kbuf[0].shape[2]  # tokens + reserve
-        per_tok_q = sum(q.quantized_bytes(d, self.n_bits, self.group_size)
-                        for d in (self.layer.head_dim, self.layer.v_head_dim))
-        itemsize = 2 if self.win_keys is None else self.win_keys.itemsize
-        per_tok_w = (self.layer.head_dim + self.layer.v_head_dim) * itemsize
-        return B * H * (slots * per_tok_q + n_win * per_tok_w)
-
-    @property
-    def state(self):
-        return [self.win_keys, self.win_values, *q.state_arrays(self.qkeys, self.qvalues)]
-
-    @state.setter
-    def state(self, v) -> None:
-        self.win_keys, self.win_values = v[0], v[1]
-        self.kbuf = None if v[2] is None else list(v[2:5])
-        self.vbuf = None if v[5] is None else list(v[5:8])
-        self.n_q = 0 if v[2] is None else v[2].shape[2]
-
-    # ---- trimming (prompt-cache reuse across chat turns) ----
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        """Drop the last ``n`` tokens (codes are per token, so slicing is exact)."""
-        n = max(0, min(self.offset, n))
-        keep = self.offset - n
-        if keep >= self.n_q:
-            w = keep - self.n_q
-            # Copies: a kept slice would pin the trimmed tail.
-            self.win_keys = mx.contiguous(self.win_keys[:, :, :w]) if w else None
-            self.win_values = mx.contiguous(self.win_values[:, :, :w]) if w else None
-        else:
-            self.win_keys = self.win_values = None
-            # Exact copies: the trimmed tail (and the reserve) is released.
-            self.kbuf = [mx.contiguous(a[:, :, :keep]) for a in self.kbuf] if keep else None
-            self.vbuf = [mx.contiguous(a[:, :, :keep]) for a in self.vbuf] if keep else None
-            self.n_q = keep
-        self.offset = keep
-        return n
-
-
-def _grown(buf: mx.array | None, new: mx.array, used: int, spare: int) -> mx.array:
-    """``buf[:, :, :used]`` followed by ``new`` and ``spare`` empty token slots."""
-    parts = [] if buf is None or used == 0 else [buf[:, :, :used]]
-    parts.append(new)
-    if spare:
-        parts.append(mx.zeros((*new.shape[:2], spare, *new.shape[3:]), new.dtype))
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)

@@ -23,13 +23,15 @@ import copy
 import copyreg
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.options import MethodOptions, config_error
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.config import KVCacheConfig
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -80,7 +82,11 @@ class LayerInfo:
     block: Any = field(default=None, repr=False, compare=False)
     model_type: str = ""
 
-    LIVE: ClassVar[tuple[str, ...]] = ("coordinator", "attention", "block")
+    # Injected by the adapter: whether the model's attention still reaches this cache
+    # (False once the model's caches were detached).
+    routing: Any = field(default=None, repr=False, compare=False)
+
+    LIVE: ClassVar[tuple[str, ...]] = ("coordinator", "attention", "block", "routing")
 
     def __post_init__(self) -> None:
         if self.v_head_dim is None:
@@ -126,6 +132,82 @@ class CompressedCache(_BaseCache, ABC):
     meta_fields: ClassVar[tuple[str, ...]] = ("offset", "batch_size")
     # How a meta field is parsed back from its string (default: int).
     meta_types: ClassVar[dict[str, Any]] = {}
+
+    # ---- declared capabilities ----
+    # All that shared code (adapter, apps, eval, rings, rotation, tests) may know of a
+    # method: it never names one nor reads its option fields (tests/test_capabilities.py).
+    # Takes over the owning module's call with a hook of its own (XQuant's ``update_x``).
+    hooks_module: ClassVar[bool] = False
+    min_layers: ClassVar[int] = 1  # fewest layers it compresses (a pair needs two)
+    # This layer's cache holds what the method keeps once per model (a rotation);
+    # ``after_build`` gives it to one layer.
+    owns_rotation: bool = False
+    # The saved state drops its oldest tokens exactly (``drop_front``, in multiples of
+    # ``ring_alignment``), so a sliding-window ring (``cache.sliding``) may wrap it.
+    drops_front: ClassVar[bool] = False
+
+    @classmethod
+    def ring_alignment(cls, opts: Any) -> int:
+        return 1
+
+    @classmethod
+    def drop_front(cls, state: list[Any], n: int, opts: Any) -> list[Any]:
+        """``state`` without its ``n`` oldest tokens: codes sliced, never re-coded."""
+        raise NotImplementedError(f"method {cls.method!r} cannot drop its oldest tokens")
+
+    @classmethod
+    def needs_rotation(cls, opts: Any) -> bool:
+        """The options' codes assume rotated vectors: the builder rotates the caches."""
+        return False
+
+    @classmethod
+    def rotation_refusal(cls, opts: Any) -> str | None:
+        """Why ``rotate=True`` is wrong with these options of a ``rotatable`` method."""
+        return None
+
+    @classmethod
+    def replicated_by_tensor_parallelism(cls, opts: Any, kv_width: int, hidden: int
+                                         ) -> str | None:
+        """What of the cache every tensor-parallel rank holds whole, given the rank's K/V
+        projection width and the model width (``None``: the rank's own heads)."""
+        return None
+
+    @classmethod
+    def curve_tags(cls, opts: Any) -> list[str]:
+        """Options that put it on another bytes-to-quality curve (``veloxquant tune``)."""
+        return []
+
+    @classmethod
+    def precision_ladders(cls) -> dict[str, dict[str, Any]]:
+        """``eval.mixed`` ladders: name -> ``{"base": options, "knobs": {option: widths
+        ascending}, "streams": {option: ("keys", "values")}}``."""
+        return {}
+
+    @classmethod
+    def small_options(cls) -> dict[str, Any]:
+        """Options that compress a tiny model's 40-token prompt (head_dim 32, 4 layers)."""
+        return {}
+
+    @classmethod
+    def lossless_options(cls) -> dict[str, Any]:
+        """Options that keep (nearly) everything of a 40-token prompt (tests)."""
+        return {}
+
+    @classmethod
+    def few_layer_options(cls) -> dict[str, Any]:
+        """Options added on models of one or two layers, so it still compresses."""
+        return {}
+
+    @classmethod
+    def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> Any:
+        """Its numerics for the tests' same-numerics reference (``cache.numerics``)."""
+        from veloxquant_mlx.cache.numerics import StoredNumerics
+
+        return StoredNumerics()  # nothing coded or evicted
+
+    def attention_slots(self) -> tuple[list[Any], list[Any]]:
+        """Key and value parts (``ops.attention.Slot``) decode attention multiplies."""
+        return [], []
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         self.config = config
@@ -266,6 +348,11 @@ class CompressedCache(_BaseCache, ABC):
         raise self._batch_only("finalize")
 
     # ---- storage accounting ----
+    def step_arrays(self) -> list[mx.array]:
+        """What a step's attention output must depend on (``depend_on_state``): what
+        this cache holds; a cross-layer cache adds what its step changed in the group."""
+        return self.held_arrays()
+
     @property
     def nbytes(self) -> int:
         """Bytes of the distinct arrays held (what the cache declares it costs)."""
@@ -343,6 +430,7 @@ class CompressedCache(_BaseCache, ABC):
                 f"{self.method} cache of layer {self.layer.layer_idx}: values shape "
                 f"{tuple(values.shape)} does not match keys {tuple(keys.shape)} / "
                 f"v_head_dim={self.layer.v_head_dim}")
+        self.check_routing()
         if self.batch_size and B != self.batch_size:
             raise ValueError(f"{self.method}: batch size changed from {self.batch_size} to {B}")
         # Checked apart: keys and values may differ in width (MLA latents, v_head_dim).
@@ -354,12 +442,33 @@ class CompressedCache(_BaseCache, ABC):
                 "NaN or Inf; only finite values can be cached")
         self.check_budget(L)
 
+    def check_routing(self) -> None:
+        """A cache that runs its own attention returns only the new chunk: used after its
+        model was detached, the model would attend over that chunk alone."""
+        if self.attends and self.layer.routing is not None and not self.layer.routing():
+            raise RuntimeError(
+                f"{self.method} cache of layer {self.layer.layer_idx} was built for a model "
+                "that has since been detached (KVCacheBuilder.detach): its attention no "
+                "longer reaches the cache; build new caches for it")
+
     def check_budget(self, n_new: int) -> None:
         """Writing ``n_new`` more tokens must stay within ``KVCacheConfig.max_ctx``."""
         if self.offset + n_new > self.config.max_ctx:
             raise ValueError(
                 f"{self.method} cache of layer {self.layer.layer_idx}: {self.offset + n_new} "
                 f"tokens exceed KVCacheConfig.max_ctx={self.config.max_ctx}")
+
+
+def depend_on_state(outputs: Any, cache: Any) -> Any:
+    """``outputs`` (an array or a list) made to depend on every array ``cache`` holds.
+
+    A step's codes are lazy arrays that the logits do not need; without this edge,
+    ``mx.eval(logits)`` leaves them unevaluated and their graph keeps the chunk's
+    full-precision keys and values alive until something evaluates the state.
+    """
+    arrays = getattr(cache, "step_arrays", cache.held_arrays)()
+    held = [a for a in arrays if a is not None]
+    return mx.depends(outputs, held) if held else outputs
 
 
 def require_group_divides(layer: LayerInfo, group_size: int, owner: str = "KVCacheConfig"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedCache
-from veloxquant_mlx.registry import register
+from veloxquant_mlx.register import register
 
 
 @register

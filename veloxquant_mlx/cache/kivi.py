@@ -25,17 +25,27 @@ does not copy them. ``use_quantized_matmul = True`` multiplies the packed codes 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, require_group_divides
-from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.cache.base import LayerInfo, require_group_divides
+from veloxquant_mlx.cache.numerics import (
+    StoredNumerics,
+    Stream,
+    affine_roundtrip,
+    cast,
+    channel_roundtrip,
+    code_flips,
+)
+from veloxquant_mlx.cache.segments import ChannelCodes, Dense, StoredForm, TokenCodes
+from veloxquant_mlx.cache.stored import StoredFormCache
 from veloxquant_mlx.ops import quantize as q
-from veloxquant_mlx.ops.attention import Slot, attend_parts, slot_parts
-from veloxquant_mlx.ops.buffers import TokenBuffer
 from veloxquant_mlx.options import MethodOptions
-from veloxquant_mlx.registry import register
+from veloxquant_mlx.register import register
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.config import KVCacheConfig
 
 KIVI_BITS = (2, 4)
 
@@ -63,7 +73,7 @@ class KIVIOptions(MethodOptions):
 
 
 @register
-class KIVICache(CompressedCache):
+class KIVICache(StoredFormCache):
     """Per-channel key codes, per-token value codes, and a full-precision residual."""
 
     method = "kivi"
@@ -73,6 +83,7 @@ class KIVICache(CompressedCache):
     Options = KIVIOptions
     attends = True
     rotatable = True
+    drops_front = True
     meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
     # Attend on the packed codes (mx.quantized_matmul) instead of a dequantized transient.
     use_quantized_matmul = False
@@ -82,184 +93,88 @@ class KIVICache(CompressedCache):
         # The paper's 2 and 4 bits with residual windows of 32 to 128 tokens.
         return [dict(bits=b, group_size=32, window=w) for b in (4, 2) for w in (128, 32)]
 
+    @classmethod
+    def ring_alignment(cls, opts: Any) -> int:
+        # Keys are quantized in blocks of the residual length, counted from the cache's
+        # first token: a drop of whole blocks keeps the rest aligned.
+        return opts.window
+
+    @classmethod
+    def drop_front(cls, state: list[Any], n: int, opts: Any) -> list[Any]:
+        # Keys per channel in whole groups along the token axis (packed, last axis),
+        # values per token; the residuals hold the newest tokens.
+        from veloxquant_mlx.ops.buffers import without_front
+
+        res_k, res_v, kc, ks, kb, vc, vs, vb = state
+        mk = min(n, 0 if ks is None else ks.shape[-1] * opts.group_size)
+        words, groups = mk * opts.bits // 32, mk // opts.group_size
+        keys = [without_front(kc, words, 3), without_front(ks, groups, 3),
+                without_front(kb, groups, 3)]
+        mv = min(n, 0 if vc is None else vc.shape[2])
+        return [without_front(res_k, n - mk, 2), without_front(res_v, n - mv, 2), *keys,
+                *(without_front(a, mv, 2) for a in (vc, vs, vb))]
+
+    @classmethod
+    def precision_ladders(cls) -> dict[str, dict[str, Any]]:
+        return {cls.method: {"base": {}, "knobs": {"bits": (2, 4)},
+                             "streams": {"bits": ("keys", "values")}}}
+
+    @classmethod
+    def small_options(cls) -> dict[str, Any]:
+        return dict(bits=4, group_size=32, window=32)
+
+    @classmethod
+    def lossless_options(cls) -> dict[str, Any]:
+        return dict(bits=4, group_size=32, window=128)
+
+    @classmethod
+    def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
+        """Keys: whole blocks of ``window`` tokens coded per channel in groups of
+        ``group_size`` tokens; values: per token once older than the last ``window``;
+        both coded at the next update (a step attends over its tokens as received);
+        trimming cuts key groups as ``trim`` says. Exact but for code flips (measured: at
+        most 0.1 of a step at 4 bits)."""
+        o = config.layer_options(layer.layer_idx)
+        hold = cast(config.window_dtype)  # the residual's dtype
+        keys = Stream(channel_roundtrip(o.bits, o.group_size), block=o.window,
+                      commit="next", hold=hold, trim_group=o.group_size)
+        values = Stream(affine_roundtrip(o.bits, o.group_size), keep=o.window,
+                        commit="next", hold=hold)
+        return StoredNumerics(keys, values, bound=code_flips(o.bits, 0.25))
+
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
         self.n_bits = self.opts.bits
         self.group_size = self.opts.group_size
         self.window = self.opts.window
-        self.qkeys: q.Quantized | None = None  # [B, H, D, Tk * bits / 32], packed along tokens
-        self.vbuf = TokenBuffer()  # value codes, scales, biases: [B, H, Tv, ...]
-        self.res_keys: mx.array | None = None
-        self.res_values: mx.array | None = None
-        self.compute_dtype = mx.float32
         require_group_divides(self.layer, self.group_size, self.method)
-
-    @property
-    def qvalues(self) -> q.Quantized | None:
-        """The quantized values ``[B, H, Tv, Dv * bits / 32]`` (views of the buffer)."""
-        used = self.vbuf.used()
-        return None if used is None else q.Quantized(*used, self.n_bits, self.group_size)
-
-    # ---- storage ----
-    def _flush(self) -> bool:
-        """Quantize what has left the residual (keys: whole blocks of R; values: > R).
-
-        Returns whether a key block was quantized."""
-        R = self.window
-        block = False
-        if self.res_keys is not None:
-            n = self.res_keys.shape[2]
-            n_q = n - n % R
-            if n_q:
-                # Quantize in float32: float16 scales are computed from exact min/max.
-                qk = q.quantize_tokens(self.res_keys[:, :, :n_q].astype(mx.float32),
-                                       self.n_bits, self.group_size)
-                self.qkeys = qk if self.qkeys is None else q.concat_packed([self.qkeys, qk])
-                # Only a multi-token chunk leaves a remainder: copy it, or the slice
-                # would pin the whole residual it was cut from.
-                self.res_keys = mx.contiguous(self.res_keys[:, :, n_q:]) if n_q < n else None
-                block = True
-        if self.res_values is not None:
-            n = self.res_values.shape[2]
-            if n > R:
-                qv = q.quantize(self.res_values[:, :, : n - R].astype(mx.float32),
-                                self.n_bits, self.group_size)
-                self.vbuf.append(qv.arrays)  # in place: a decode step copies nothing
-                self.res_values = self.res_values[:, :, n - R:]
-                if n - R > 1:
-                    # The slice pins its parent (residual + chunk): copy it. A decode step
-                    # pins one token more than R, no copy.
-                    self.res_values = mx.contiguous(self.res_values)
-        return block
+        bits, g = self.n_bits, self.group_size
+        # Keys per channel along the tokens, values per token, each followed by its
+        # full-precision residual; saved residuals first (earlier files' layout).
+        self.codes = (ChannelCodes(bits, g, self.layer.head_dim),
+                      TokenCodes(bits, g, self.layer.v_head_dim))
+        self.residual = (Dense(), Dense())
+        self.stored = StoredForm([self.codes[0], self.residual[0]],
+                                 [self.codes[1], self.residual[1]],
+                                 state_order=[*self.residual, *self.codes])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.check_input(keys, values)
-        self._flush()  # a previous step that did not attend leaves its tokens unflushed
-        self.batch_size = keys.shape[0]
-        self.compute_dtype = keys.dtype
-        self.offset += keys.shape[2]
+        self.begin(keys, values)  # a step that did not attend leaves its tokens uncoded
         wdt = self.window_dtype(keys.dtype)
-        k, v = keys.astype(wdt), values.astype(wdt)
-        self.res_keys = k if self.res_keys is None else mx.concatenate([self.res_keys, k], axis=2)
-        self.res_values = v if self.res_values is None else mx.concatenate(
-            [self.res_values, v], axis=2)
+        for res, x in zip(self.residual, (keys, values)):
+            res.dtype = wdt
+            res.append(x)
         return keys, values
 
-    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
-        """Transient dense keys/values: dequantized codes followed by the residual."""
-        dtype = dtype or self.compute_dtype
-        ks = [] if self.qkeys is None else [q.dequantize_tokens(self.qkeys, dtype)]
-        vs = [] if self.qvalues is None else [q.dequantize(self.qvalues, dtype)]
-        if self.res_keys is not None:
-            ks.append(self.res_keys.astype(dtype))
-        if self.res_values is not None:
-            vs.append(self.res_values.astype(dtype))
-        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
-        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-        return k, v
-
-    # ---- attention ----
-    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
-        out = self._attend_split(queries, scale, mask, packed=self.use_quantized_matmul)
-        # As the reference: the new tokens were attended in full precision.
-        if self._flush() and queries.shape[2] == 1:
-            # A decode step completed a key block (once per R steps): evaluate the codes
-            # now. Left lazy (the step's logits do not need them), their graph would keep
-            # the old codes and the block's full-precision keys alive until the next step.
-            mx.eval(*self.held_arrays())
-        return out
-
-    def attention_slots(self, packed: bool = False) -> tuple[list[Slot], list[Slot]]:
-        """Key slots and value slots (codes, then the residual) in token order; keys and
-        values are cut at different tokens."""
-        meta = (self.n_bits, self.group_size)
-        qk, qv = self.qkeys, self.qvalues
-        n_kq = 0 if qk is None else qk.scales.shape[-1] * self.group_size
-        n_vq = 0 if qv is None else qv.codes.shape[2]
-        out = []
-        for kind, part, n, res in (("channel", qk, n_kq, self.res_keys),
-                                   ("token", qv, n_vq, self.res_values)):
-            out.append([Slot(kind, part.arrays if part else [], n, meta, packed),
-                        Slot("dense", [] if res is None else [res],
-                             0 if res is None else res.shape[2])])
-        return out[0], out[1]
-
-    def _attend_split(self, queries: mx.array, scale: float, mask: Any,
-                      packed: bool = False) -> mx.array:
-        """Attention over the quantized part and the residual, kept apart (keys and
-        values are cut at different tokens: only the small scores are joined).
-        ``packed`` multiplies on the codes with ``mx.quantized_matmul``."""
-        keys, values = self.attention_slots(packed)
-        return attend_parts(queries, slot_parts(keys), slot_parts(values), scale, mask)
-
-    # ---- accounting ----
-    def held_arrays(self) -> list[mx.array]:
-        out = [self.res_keys, self.res_values, *(self.vbuf.arrays or [])]
-        if self.qkeys is not None:
-            out.extend(self.qkeys.arrays)
-        return [a for a in out if a is not None]
-
-    def accounted_bytes(self) -> int:
-        B, H = max(self.batch_size, 1), self.layer.n_kv_heads
-        D, Dv = self.layer.head_dim, self.layer.v_head_dim
-        n_kr = 0 if self.res_keys is None else self.res_keys.shape[2]
-        n_vr = 0 if self.res_values is None else self.res_values.shape[2]
-        itemsize = self.window_dtype(self.compute_dtype).size
-        n_kq = self.offset - n_kr
-        # Keys: D channels, each a row of n_kq tokens; values: the buffer's token slots
-        # (the used ones and a reserve of about 3%), Dv each.
-        key_q = D * q.quantized_bytes(n_kq, self.n_bits, self.group_size) if n_kq else 0
-        val_q = self.vbuf.slots * q.quantized_bytes(Dv, self.n_bits, self.group_size)
-        return B * H * (key_q + val_q + (n_kr * D + n_vr * Dv) * itemsize)
-
-    # ---- trimming (speculative decoding, prompt-cache reuse) ----
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        """Drop the last ``n`` tokens. Residual tokens and per-token value codes are cut
-        exactly; whole key groups are dropped, and the kept tokens of a key group cut in
-        the middle return to the residual as their dequantized values (what attention
-        already read for them) until the next key block is quantized."""
-        n = max(0, min(self.offset, n))
-        if n:
-            self._trim_keys(n)
-            n_vr = 0 if self.res_values is None else self.res_values.shape[2]
-            self.res_values = _cut(self.res_values, n_vr - min(n, n_vr))
-            if n > n_vr:
-                self.vbuf.truncate(self.vbuf.n - (n - n_vr))
-            self.offset -= n
-        return n
-
-    def _trim_keys(self, n: int) -> None:
-        n_kr = 0 if self.res_keys is None else self.res_keys.shape[2]
-        if n <= n_kr:
-            self.res_keys = _cut(self.res_keys, n_kr - n)
-            return
-        keep = self.offset - n  # quantized key tokens that stay
-        whole, tail = divmod(keep, self.group_size)
-        self.res_keys = None
-        if tail:
-            group = q.slice_groups(self.qkeys, whole, whole + 1)
-            dense = q.dequantize_tokens(group, mx.float32)[:, :, :tail]
-            self.res_keys = mx.contiguous(dense.astype(self.window_dtype(self.compute_dtype)))
-        self.qkeys = q.slice_groups(self.qkeys, 0, whole) if whole else None
-
-    # ---- save / restore ----
-    @property
-    def state(self):
-        return [self.res_keys, self.res_values, *q.state_arrays(self.qkeys, self.qvalues)]
-
-    @state.setter
-    def state(self, v) -> None:
-        self.res_keys, self.res_values = v[0], v[1]
-        self.qkeys = None if v[2] is None else q.Quantized(*v[2:5], self.n_bits,
-                                                           self.group_size)
-        self.vbuf.load(None if v[5] is None else list(v[5:8]))
-
-
-def _cut(x: mx.array | None, keep: int) -> mx.array | None:
-    """The first ``keep`` tokens of ``x`` as a copy (a slice would pin the trimmed tail)."""
-    if x is None or keep <= 0:
-        return None
-    return x if keep == x.shape[2] else mx.contiguous(x[:, :, :keep])
+    def commit(self) -> None:
+        """Code what has left the residual, as the reference does after a step attended
+        over it in full precision: keys in whole blocks of R, values once older than R."""
+        R = self.window
+        res_k, res_v = self.residual
+        n_q = res_k.n - res_k.n % R
+        if n_q:
+            self.codes[0].append(res_k.take(n_q))
+        if res_v.n > R:
+            extra = res_v.n - R
+            # In place: a decode step copies nothing (its residual pins one token more).
+            self.codes[1].append(res_v.take(extra, copy=extra > 1).astype(mx.float32))

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.ops import codebook as cb
 from veloxquant_mlx.ops import quantize as q
-from veloxquant_mlx.ops.buffers import TokenBuffer
+from veloxquant_mlx.ops.buffers import TokenBuffer, owned
 
 STORES = ("dense", "affine", "codebook")
 CODEBOOK_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4)
@@ -41,6 +41,17 @@ def check_store_options(opts: Any) -> None:
         value = getattr(opts, name)
         if opts.store != "dense" and (isinstance(value, bool) or value not in allowed):
             raise opts.error(name, f"one of {list(allowed)} for store={opts.store!r}")
+
+
+def store_needs_rotation(opts: Any) -> bool:
+    """Codebook codes assume rotated vectors: the builder rotates a cache with this store
+    (an eviction method's ``needs_rotation``)."""
+    return opts.store == "codebook"
+
+
+def store_curve_tags(opts: Any) -> list[str]:
+    """A quantized store puts an eviction method on another bytes-to-quality curve."""
+    return [] if opts.store == "dense" else [f"store={opts.store}"]
 
 
 def make_store(opts: Any, k_dim: int, v_dim: int, dtype: mx.Dtype, where: str
@@ -154,7 +165,7 @@ def take(block: Block | None, start: int, stop: int | None = None) -> Block | No
     stop = tokens(block) if stop is None else stop
     if stop <= start:
         return None
-    return [mx.contiguous(a[:, :, start:stop]) for a in block]
+    return [owned(a[:, :, start:stop]) for a in block]
 
 
 def gather(block: Block, idx: mx.array) -> Block:

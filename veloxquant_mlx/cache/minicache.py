@@ -14,17 +14,20 @@ load, refills it into the fresh coordinator that ``assign_roles`` injected.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
 from veloxquant_mlx.cache.minicache_coordinator import MiniCacheCoordinator, keep_tokens
-from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.cache.numerics import StoredNumerics, dense_loss
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import sdpa
 from veloxquant_mlx.options import MethodOptions, config_error
-from veloxquant_mlx.registry import register
+from veloxquant_mlx.register import register
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.config import KVCacheConfig
 
 RETENTION_RULES = ("fraction", "paper")
 
@@ -49,8 +52,6 @@ class MiniCacheOptions(MethodOptions):
     bits: int | None = None
     group_size: int | None = None
     window: int = 64
-
-    legacy_names = {"minicache_bits": "bits"}
 
     def __post_init__(self) -> None:
         self.check_int("start_layer", minimum=0, optional=True)
@@ -93,6 +94,17 @@ class MiniCacheCache(CompressedCache):
     Options = MiniCacheOptions
     attends = True
     rotatable = True
+    min_layers = 2  # a pair
+
+    @classmethod
+    def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
+        """Dense: a pair's merged directions depend on both layers. Nothing is merged
+        while every token is in the window; beyond, merging a random tiny model's layers
+        moves its logits by up to 1.2 times their scale (window 8): the bound, 2.5,
+        catches only crashes, NaN and gross errors there; the lossless settings check
+        the bookkeeping."""
+        o = config.layer_options(layer.layer_idx)
+        return dense_loss(2.5, lossless_until=o.window)
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -124,6 +136,19 @@ class MiniCacheCache(CompressedCache):
         # the first layer (every layer in a pair) for the smallest sizes.
         return [{}, dict(bits=8), dict(bits=4), dict(bits=3), dict(bits=4, start_layer=0),
                 dict(bits=2), dict(bits=2, start_layer=0)]
+
+    @classmethod
+    def small_options(cls) -> dict[str, Any]:
+        return dict(window=8)
+
+    @classmethod
+    def lossless_options(cls) -> dict[str, Any]:
+        return dict(window=1000)
+
+    @classmethod
+    def few_layer_options(cls) -> dict[str, Any]:
+        # The default merge range (the second half) of a two-layer model holds one layer.
+        return {"start_layer": 0}
 
     @classmethod
     def assign_roles(cls, layers: list[LayerInfo], config: KVCacheConfig, model: Any) -> None:
@@ -219,6 +244,13 @@ class MiniCacheCache(CompressedCache):
         return n
 
     # ---- accounting ----
+    def step_arrays(self) -> list[mx.array]:
+        # The partner's step merges into the pair's shared store, which the primary holds.
+        if not self.paired:
+            return self.held_arrays()
+        coord, gid = self.layer.coordinator, self.layer.group_id
+        return coord.held_arrays(gid, 0) + coord.held_arrays(gid, 1)
+
     def held_arrays(self) -> list[mx.array]:
         if self.paired:
             return self.layer.coordinator.held_arrays(self.layer.group_id,

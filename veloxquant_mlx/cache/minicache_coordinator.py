@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache.base import NotTrimmableError
 from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops.buffers import owned
 
 
 def slerp_merge(x0: mx.array, x1: mx.array, t: float
@@ -60,15 +61,15 @@ def keep_tokens(x: Any, n: int) -> Any:
     if isinstance(x, tuple):
         return tuple(keep_tokens(a, n) for a in x)
     if isinstance(x, q.Quantized):
-        return q.Quantized(*(mx.contiguous(a[:, :, :n]) for a in x.arrays), x.bits,
+        return q.Quantized(*(owned(a[:, :, :n]) for a in x.arrays), x.bits,
                            x.group_size)
-    return mx.contiguous(x[:, :, :n])
+    return owned(x[:, :, :n])
 
 
 def _cut_part(part: _Part, keep: int, cut: int) -> None:
     """Drop merged tokens from ``keep`` on, and the ``cut`` retained ones among them."""
     part.direction = keep_tokens(part.direction, keep)
-    part.magnitude = [mx.contiguous(m[..., :keep]) for m in part.magnitude]
+    part.magnitude = [owned(m[..., :keep]) for m in part.magnitude]
     idx = part.retained_idx
     if idx is None or cut == 0:
         return
@@ -78,9 +79,9 @@ def _cut_part(part: _Part, keep: int, cut: int) -> None:
         return
     # Each row's kept entries first (their order within the row does not matter).
     order = mx.argsort((idx >= keep).astype(mx.int32), axis=-1)[..., :held]
-    part.retained_idx = mx.contiguous(mx.take_along_axis(idx, order, axis=-1))
+    part.retained_idx = owned(mx.take_along_axis(idx, order, axis=-1))
     gather = mx.broadcast_to(order[..., None], (*order.shape, part.retained[0].shape[-1]))
-    part.retained = [mx.contiguous(mx.take_along_axis(r, gather, axis=2))
+    part.retained = [owned(mx.take_along_axis(r, gather, axis=2))
                      for r in part.retained]
 
 
@@ -224,8 +225,8 @@ class MiniCacheCoordinator:
         s.n_merged += n
         for m, (k, v) in enumerate(s.pending):
             # Copies (once per merged block): a kept slice would pin the whole window.
-            s.pending[m] = None if k.shape[2] == n else (mx.contiguous(k[:, :, n:]),
-                                                           mx.contiguous(v[:, :, n:]))
+            s.pending[m] = None if k.shape[2] == n else (owned(k[:, :, n:]),
+                                                           owned(v[:, :, n:]))
 
     def _merge_part(self, part: _Part, x0: mx.array, x1: mx.array, start: int) -> None:
         direction, n0, n1, dist = slerp_merge(x0, x1, self.t)

@@ -110,3 +110,69 @@ def call_per_row(call: ModuleCall, batch: Any, row_cache: Callable[[Any, int, in
             out = pad if out is None else mx.concatenate([out, pad], axis=1)
         outs.append(out)
     return mx.concatenate(outs, axis=0)
+
+
+# ---- hooks: the one way a build takes over a module's call ----
+# A hooked module's class is swapped for a subclass with another ``__call__`` (weights
+# and everything else untouched). Hooks stack: each hook class records the class below
+# it and its name, so any hook can be found and removed without knowing the others.
+_HOOK_CLASSES: dict[tuple[type, Callable[..., Any], str], type] = {}
+
+
+def _chain(module: Any) -> list[type]:
+    """The hook classes on ``module``, the top one first."""
+    out, cls = [], type(module)
+    while "_vq_hook" in cls.__dict__:
+        out.append(cls)
+        cls = cls.__dict__["_vq_base"]
+    return out
+
+
+def original_class(module: Any) -> type:
+    """The class ``module`` had before any hook (its own class when not hooked)."""
+    chain = _chain(module)
+    return chain[-1].__dict__["_vq_base"] if chain else type(module)
+
+
+def hook_names(module: Any) -> list[str]:
+    """The names of the hooks on ``module``, the top one first."""
+    return [c.__dict__["_vq_hook"] for c in _chain(module)]
+
+
+def below(module: Any, name: str) -> type:
+    """The class under hook ``name`` (call its ``__call__`` to run what was there); the
+    module's own class when it has no such hook."""
+    for cls in _chain(module):
+        if cls.__dict__["_vq_hook"] == name:
+            return cls.__dict__["_vq_base"]
+    return type(module)
+
+
+def _subclass(base: type, call: Callable[..., Any], name: str) -> type:
+    cls = _HOOK_CLASSES.get((base, call, name))
+    if cls is None:
+        cls = type(f"{name}{base.__name__}", (base,),
+                   {"__call__": call, "_vq_base": base, "_vq_hook": name, "_vq_call": call})
+        _HOOK_CLASSES[base, call, name] = cls
+    return cls
+
+
+def hook_module(module: Any, call: Callable[..., Any], name: str) -> None:
+    """Make ``call`` the ``__call__`` of ``module``, above its other hooks (an earlier
+    hook of the same name is replaced). ``call`` reaches what was there through
+    ``below(self, name).__call__``."""
+    unhook_module(module, name)
+    module.__class__ = _subclass(type(module), call, name)
+
+
+def unhook_module(module: Any, name: str | None = None) -> bool:
+    """Remove hook ``name`` from ``module`` (every hook when ``None``); the others stay."""
+    chain = _chain(module)
+    keep = [c for c in chain if name is not None and c.__dict__["_vq_hook"] != name]
+    if len(keep) == len(chain):
+        return False
+    cls = original_class(module)
+    for c in reversed(keep):
+        cls = _subclass(cls, c.__dict__["_vq_call"], c.__dict__["_vq_hook"])
+    module.__class__ = cls
+    return True

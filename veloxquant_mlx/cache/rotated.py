@@ -20,29 +20,31 @@ batches) sees the method itself; the subclass only:
   ``meta_state`` carries so a rebuilt or loaded cache keeps it.
 
 Methods declare that they can take it with ``rotatable = True``: their attention meets
-the stored keys only in dot products with queries. Keys stored before RoPE (xKV's
-``pre_rope``) cannot be rotated: RoPE and a fixed rotation do not commute
-(``KVCacheConfig`` refuses it).
+the stored keys only in dot products with queries, and refuse it for options where it
+would be wrong with ``rotation_refusal`` (xKV's keys stored before RoPE: RoPE and a fixed
+rotation do not commute; ``KVCacheConfig`` refuses it).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from veloxquant_mlx.cache.base import LAYER_RESTORERS, CompressedCache, LayerInfo
-from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.ops.rotation import shared_rotation
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.config import KVCacheConfig
 
 SEED = 0
 _CLASSES: dict[type, type] = {}
 
 
 def wants_rotation(config: KVCacheConfig) -> bool:
-    """Whether the builder rotates this config's caches: ``rotate=True``, or a store
-    whose codebook codes assume rotated vectors (``store="codebook"``)."""
-    return config.rotate or getattr(config.options, "store", None) == "codebook"
+    """Whether the builder rotates this config's caches: ``rotate=True``, or options whose
+    codes assume rotated vectors (the method's ``needs_rotation``: codebook stores)."""
+    return config.rotate or config.method_class.needs_rotation(config.options)
 
 
 def _turn(x: mx.array, rot: mx.array) -> mx.array:

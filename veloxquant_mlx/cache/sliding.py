@@ -10,12 +10,11 @@ including itself. A method compresses such a layer in one of two ways:
   ``min(window, W)`` recent tokens and no sinks);
 - ``SlidingCache``: a ring over a method's compressed form, for methods whose stored
   form does not depend on token positions and can drop its oldest tokens exactly
-  (``RING_METHODS``). One inner cache of the method holds the tokens; once ``block``
-  tokens older than the window have piled up, it is rebuilt from its own saved state
-  without them (codes sliced, never re-quantized: a dequantize / quantize round trip
-  would move codes by a step; KIVI's key groups are dropped whole, so the rest stay
-  aligned). Attention runs through
-  the inner cache's own ``attend``, with the model's own sliding mask mapped onto the
+  (``drops_front``, ``ring_alignment``, ``drop_front``). One inner cache of the method
+  holds the tokens; once ``block`` tokens older than the window have piled up, it is
+  rebuilt from its own saved state without them (the method's ``drop_front``: codes
+  sliced, never re-quantized, as a dequantize / quantize round trip would move codes by
+  a step). Attention runs through the inner cache's own ``attend``, with the model's own sliding mask mapped onto the
   held tokens (or, without one, a band: every query sees the ``W`` most recent
   positions up to itself), so it sees exactly what mlx_lm's ring would give it.
 
@@ -24,62 +23,16 @@ Methods that do neither leave sliding-window layers on mlx_lm's own cache.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import RotatingKVCache
 
 from veloxquant_mlx.cache.base import LAYER_RESTORERS, CompressedCache, LayerInfo
-from veloxquant_mlx.config import KVCacheConfig
 
-
-def _front(a: mx.array | None, n: int, axis: int) -> mx.array | None:
-    """``a`` without its first ``n`` entries along ``axis``; ``None`` when nothing is
-    left. A copy: a kept slice would pin the dropped part."""
-    if a is None or n == 0:
-        return a
-    if n >= a.shape[axis]:
-        return None
-    index = [slice(None)] * a.ndim
-    index[axis] = slice(n, None)
-    return mx.contiguous(a[tuple(index)])
-
-
-def _drop_affine(state: list[Any], n: int, opts: Any) -> list[Any]:
-    """Affine's saved state without its ``n`` oldest tokens: per-token codes first,
-    then the full-precision window (every array holds tokens on axis 2)."""
-    win_k, win_v, *codes = state
-    n_q = 0 if codes[0] is None else codes[0].shape[2]
-    m = min(n, n_q)
-    return [_front(win_k, n - m, 2), _front(win_v, n - m, 2),
-            *(_front(a, m, 2) for a in codes)]
-
-
-def _drop_kivi(state: list[Any], n: int, opts: Any) -> list[Any]:
-    """KIVI's saved state without its ``n`` oldest tokens. Keys are quantized per
-    channel in whole groups along the token axis (packed, last axis), values per token;
-    the residuals hold the newest tokens. ``n`` is a multiple of the residual length,
-    so whole key groups go and the rest stay aligned."""
-    res_k, res_v, kc, ks, kb, vc, vs, vb = state
-    n_kq = 0 if ks is None else ks.shape[-1] * opts.group_size
-    mk = min(n, n_kq)
-    words, groups = mk * opts.bits // 32, mk // opts.group_size
-    keys = [_front(kc, words, 3), _front(ks, groups, 3), _front(kb, groups, 3)]
-    n_vq = 0 if vc is None else vc.shape[2]
-    mv = min(n, n_vq)
-    return [_front(res_k, n - mk, 2), _front(res_v, n - mv, 2), *keys,
-            *(_front(a, mv, 2) for a in (vc, vs, vb))]
-
-
-# Methods whose stored form is position-free and can drop its oldest tokens exactly
-# (by slicing their saved state): the token alignment a drop keeps (KIVI quantizes
-# keys in blocks of its residual length, counted from the cache's first token) and
-# the slicer.
-RING_METHODS: dict[str, tuple[Any, Any]] = {
-    "affine": (lambda opts: 1, _drop_affine),
-    "kivi": (lambda opts: opts.window, _drop_kivi),
-}
+if TYPE_CHECKING:
+    from veloxquant_mlx.config import KVCacheConfig
 
 
 def sliding_window_of(layer_cache: Any) -> int | None:
@@ -126,8 +79,7 @@ class SlidingCache(CompressedCache):
         self.method_cls = method_cls
         self.method = method_cls.method
         self.window = int(self.layer.sliding_window)
-        align, self._drop = RING_METHODS[method_cls.method]
-        self.align = max(1, int(align(config.options)))
+        self.align = max(1, int(method_cls.ring_alignment(config.options)))
         # Rebuild once this many tokens are older than the window (a multiple of align).
         self.block = -(-max(self.window // 4, self.align) // self.align) * self.align
         self.inner = method_cls(config, self.layer)
@@ -136,8 +88,7 @@ class SlidingCache(CompressedCache):
 
     @classmethod
     def wraps(cls, method_cls: type) -> bool:
-        return method_cls.method in RING_METHODS and method_cls.attends and \
-            not method_cls.cross_layer
+        return method_cls.drops_front and method_cls.attends and not method_cls.cross_layer
 
     # ---- the ring ----
     def _drop_old(self) -> None:
@@ -149,7 +100,7 @@ class SlidingCache(CompressedCache):
         n = droppable // self.align * self.align
         meta = list(self.inner.meta_state)
         meta[0] = str(self.inner.offset - n)  # every ring method's meta starts offset
-        state = self._drop(list(self.inner.state), n, self.config.options)
+        state = self.method_cls.drop_front(list(self.inner.state), n, self.config.options)
         fresh = self.method_cls(self.config, self.layer)
         fresh.meta_state = tuple(meta)
         fresh.state = state

@@ -32,17 +32,21 @@ after that the evicted tokens a shorter prompt would still hold are gone, and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from veloxquant_mlx.cache import kvstore as ks
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, NotTrimmableError
+from veloxquant_mlx.cache.numerics import StoredNumerics, Stream, cast
 from veloxquant_mlx.cache.sliding import sliding_window_of
-from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.ops.attention import split_attention
+from veloxquant_mlx.ops.buffers import owned
 from veloxquant_mlx.options import MethodOptions
-from veloxquant_mlx.registry import register
+from veloxquant_mlx.register import register
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.config import KVCacheConfig
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,23 @@ class StreamingCache(CompressedCache):
     store = ks.DENSE
     sink_kv = win = fresh = None
 
+    @classmethod
+    def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
+        """The first ``sink`` tokens and the ``window`` most recent positions up to each
+        query, as received (mlx_lm's ``RotatingKVCache(sink + window, keep=sink)`` band);
+        a local layer keeps ``min(window, sliding_window)`` and no sinks. Exact with the
+        dense store; a quantized store is not emulated (its codes: ``cache.kvstore``)."""
+        o = config.layer_options(layer.layer_idx)
+        sink, window = o.sink, o.window
+        if layer.sliding_window:
+            sink, window = 0, min(window, layer.sliding_window)
+        if o.store != "dense":
+            raise NotImplementedError("streaming with a quantized store declares no "
+                                      "same-numerics reference")
+        # A chunk attends over itself as received, a decode step over its own stored token.
+        held = Stream(cast(config.window_dtype), commit="next_chunk")
+        return StoredNumerics(held, held, evict=(sink, window))
+
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
         self.sink = self.opts.sink
@@ -120,6 +141,22 @@ class StreamingCache(CompressedCache):
             grid += [dict(window=window, store="codebook", k_bits=k, v_bits=v)
                      for k, v in ((4, 4), (3, 3), (3, 2), (2, 2))]
         return grid
+
+    @classmethod
+    def needs_rotation(cls, opts: Any) -> bool:
+        return ks.store_needs_rotation(opts)
+
+    @classmethod
+    def curve_tags(cls, opts: Any) -> list[str]:
+        return ks.store_curve_tags(opts)
+
+    @classmethod
+    def small_options(cls) -> dict[str, Any]:
+        return dict(window=16, sink=2)
+
+    @classmethod
+    def lossless_options(cls) -> dict[str, Any]:
+        return dict(window=1000)
 
     @classmethod
     def supports_layer(cls, layer_cache: Any) -> bool:
@@ -187,7 +224,7 @@ class StreamingCache(CompressedCache):
         if n > self.sink + self.window and not self.sink:
             # Without sinks the kept window is a slice pinning held + chunk: copy it (a
             # no-op after a cast). Only multi-token chunks evict, never a decode step.
-            self.keys, self.values = mx.contiguous(self.keys), mx.contiguous(self.values)
+            self.keys, self.values = owned(self.keys), owned(self.values)
         self.ring = 0
         return keys, values
 

@@ -19,18 +19,22 @@ which ``KVCacheBuilder.for_model`` installs through ``after_build``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
+from veloxquant_mlx.cache.numerics import StoredNumerics, dense_loss
 from veloxquant_mlx.cache.xquant_coordinator import XQuantCoordinator
 from veloxquant_mlx.cache.xquant_hook import install_x_hook, uninstall_x_hook, x_hook_installed
-from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.ops import factors as fr
 from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops.buffers import owned
 from veloxquant_mlx.options import MethodOptions, config_error
-from veloxquant_mlx.registry import register
+from veloxquant_mlx.register import register
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.config import KVCacheConfig
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,17 @@ class XQuantCache(CompressedCache):
     Options = XQuantOptions
     meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window", "widths")
     meta_types = {"widths": lambda s: tuple(int(w) for w in s.split(",") if w)}
+    hooks_module = True  # update_x, called by the X hook of the owning module
+
+    @classmethod
+    def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
+        """Dense: the codes are of the layer input X, K and V are rebuilt from them. The
+        loss on the tiny llama is about 2 steps of the code (``2^-bits``): up to 0.13 at
+        4 bits, 0.0075 at 8 (bound 4 steps; XQuant-CL: up to 0.062 and 0.0061, bound 3
+        steps, its deltas correcting each layer's error)."""
+        o = config.layer_options(layer.layer_idx)
+        steps = 3.0 if cls.cross_layer else 4.0
+        return dense_loss(steps * 2.0 ** -o.bits, lossless_until=getattr(o, "window", 0))
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -97,6 +112,22 @@ class XQuantCache(CompressedCache):
     @classmethod
     def latent(cls, config: KVCacheConfig) -> bool:
         return config.options.latent
+
+    @classmethod
+    def replicated_by_tensor_parallelism(cls, opts: Any, kv_width: int, hidden: int
+                                         ) -> str | None:
+        # The latent mode stores the rank's own K/V latents (sharded) when narrower than X.
+        if opts.latent and kv_width < hidden:
+            return None
+        return f"the layer input X ({hidden} values per token and layer)"
+
+    @classmethod
+    def small_options(cls) -> dict[str, Any]:
+        return dict(bits=4, group_size=32)
+
+    @classmethod
+    def lossless_options(cls) -> dict[str, Any]:
+        return dict(bits=8, group_size=32)
 
     @classmethod
     def tune_grid(cls, context: int) -> list[dict[str, Any]]:
@@ -202,7 +233,7 @@ class XQuantCache(CompressedCache):
         if overflow > 1:
             # A kept slice pins its parent (window + chunk): copy it (a no-op after a
             # cast). A decode step pins one token more than the window, no copy.
-            win = [mx.contiguous(w) for w in win]
+            win = [owned(w) for w in win]
         self.win = win if win[0].shape[1] else None
 
     def _parts(self, dtype: mx.Dtype) -> list[mx.array]:
@@ -279,7 +310,7 @@ class XQuantCache(CompressedCache):
         if self.win is not None:
             w_keep = max(keep - n_codes, 0)
             # Copies: a kept slice would pin the trimmed tail.
-            self.win = [mx.contiguous(w[:, :w_keep]) for w in self.win] if w_keep else None
+            self.win = [owned(w[:, :w_keep]) for w in self.win] if w_keep else None
         if self.codes is not None and keep < n_codes:
             self.codes = [_slice_tokens(c, keep) for c in self.codes] if keep else None
         self.offset = keep
@@ -288,7 +319,7 @@ class XQuantCache(CompressedCache):
 
 def _slice_tokens(c: q.Quantized, n: int) -> q.Quantized:
     # Copies: slices would pin the trimmed codes.
-    return q.Quantized(*(mx.contiguous(a[:, :n]) for a in c.arrays), c.bits, c.group_size)
+    return q.Quantized(*(owned(a[:, :n]) for a in c.arrays), c.bits, c.group_size)
 
 
 @register
@@ -312,6 +343,11 @@ class XQuantCLCache(XQuantCache):
     @classmethod
     def latent(cls, config: KVCacheConfig) -> bool:
         return False  # the deltas live on the residual stream, not in a K/V latent
+
+    @classmethod
+    def replicated_by_tensor_parallelism(cls, opts: Any, kv_width: int, hidden: int
+                                         ) -> str | None:
+        return f"the layer input X ({hidden} values per token and layer)"
 
     @classmethod
     def tune_grid(cls, context: int) -> list[dict[str, Any]]:

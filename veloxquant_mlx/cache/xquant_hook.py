@@ -11,12 +11,10 @@ untouched. Two paths:
   itself, keys rebuilt with the model's ``k_proj`` (or from the latent of the K/V
   projections, ``latent``) and values attended in factor space. It holds no copy of a
   weight where the model's own (float) weight can be read in place.
-- every other attention (``GenericXPath``: q/k norms, fused projections, soft-capping,
-  sinks, MLA, ...): the cache holds X, and the earlier tokens' K and V are
-  rematerialized through the module's own code: its original ``__call__`` runs on their
-  X with a capturing cache at position 0 (its projections, norms and RoPE; the rest of
-  that call is never evaluated), then the real call attends over the earlier K/V and
-  the chunk's own, exactly as with mlx_lm's cache. X is stored as is (no latent).
+- every other attention (``GenericXPath``, in ``cache.xquant_generic``: q/k norms, fused
+  projections, soft-capping, sinks, MLA, ...): the cache holds X, and the earlier
+  tokens' K and V are rematerialized through the module's own code (X stored as is, no
+  latent).
 """
 
 from __future__ import annotations
@@ -27,13 +25,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from veloxquant_mlx.cache.base import LayerInfo
-from veloxquant_mlx.cache.module_call import ModuleCall, bind_call, call_per_row
+from veloxquant_mlx.cache.base import LayerInfo, depend_on_state
+from veloxquant_mlx.cache.module_call import below, hook_module, original_class, unhook_module
+from veloxquant_mlx.cache.xquant_generic import X_HOOK, GenericXPath, x_generic_call
 from veloxquant_mlx.errors import UnsupportedModelError
 from veloxquant_mlx.ops.attention import masked_softmax, sdpa
 
 XQUANT_ATTENTION_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
-_X_SUBCLASSES: dict[type, type] = {}
 
 
 def weight_in_out(linear: nn.Module) -> mx.array:
@@ -124,7 +122,7 @@ class XProjection:
 
     def normalize(self, h: mx.array) -> mx.array:
         """The block's input norm of ``h``, without the residual tap."""
-        return getattr(type(self.norm), "_xquant_base", type(self.norm)).__call__(self.norm, h)
+        return below(self.norm, X_HOOK).__call__(self.norm, h)
 
     def _heads(self, y: mx.array) -> mx.array:
         B, L, _ = y.shape
@@ -221,7 +219,7 @@ def _x_attention(attn: nn.Module, x: mx.array, residual: mx.array | None, cache:
     # The stored form of the earlier tokens, then the chunk itself with its exact X.
     segments = cache.update_x(x, residual, proj, False)
     segments.append((start, proj.encode(x)))
-    out = proj.attend(queries, segments, attn.scale, mask)
+    out = depend_on_state(proj.attend(queries, segments, attn.scale, mask), cache)
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
@@ -250,10 +248,12 @@ def _x_attention_batched(attn: nn.Module, x: mx.array, residual: mx.array | None
 def _x_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
     rows = getattr(cache, "caches", None)  # a BatchedCache of per-sequence caches
     batched = bool(rows) and hasattr(rows[0], "update_x")
-    if not batched and getattr(cache, "update_x", None) is None:
-        return self._xquant_base.__call__(self, x, mask, cache)
     proj: XProjection = self._xquant
+    # Taken in every call: the norm tap's block input must not outlive the step (with
+    # another cache, e.g. mlx_lm's, it would stay pinned until the next XQuant step).
     residual, proj.residual = proj.residual, None
+    if not batched and getattr(cache, "update_x", None) is None:
+        return below(self, X_HOOK).__call__(self, x, mask, cache)
     if batched:
         out = _x_attention_batched(self, x, residual, cache)
     else:
@@ -263,189 +263,7 @@ def _x_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None) ->
 
 def _x_norm_call(self, x: mx.array) -> mx.array:
     self._xquant_target.residual = x  # XQuant-CL caches the block input (residual stream)
-    return self._xquant_base.__call__(self, x)
-
-
-def _x_subclass(cls: type, call: Any) -> type:
-    if (cls, call) not in _X_SUBCLASSES:
-        _X_SUBCLASSES[cls, call] = type(f"XQuant{cls.__name__}", (cls,),
-                                        {"__call__": call, "_xquant_base": cls})
-    return _X_SUBCLASSES[cls, call]
-
-
-# ---------------------------------------------------------------- the generic path
-class _Identity(nn.Module):
-    """The "norm" of a block whose attention takes the residual stream itself."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return x
-
-
-class GenericXPath:
-    """One layer XQuant reaches through the attention module's own call.
-
-    The cache holds the module's input X (``encode`` is the identity); earlier tokens'
-    K and V come from running the module on their X (``_rematerialize``). Without an
-    input norm in front of the attention (post-norm blocks such as OLMo 2's), the
-    residual stream XQuant-CL chains is X itself.
-    """
-
-    latent = False
-
-    def __init__(self, attn: nn.Module, norm: nn.Module | None, latent: bool) -> None:
-        self.attn = attn
-        self.taps_input = norm is None
-        self.norm = _Identity() if norm is None else norm
-        self.in_dim = 0  # the module's input width, seen on its first call
-        self.residual: mx.array | None = None  # the block input, set by the norm tap
-        self.latent_requested = latent
-        self.checked = False  # the norm tap checked against the module's input
-        self.extra: list[str] = []  # arguments with arrays besides input, mask, cache
-
-    def held_arrays(self) -> list[mx.array]:
-        return []
-
-    @property
-    def widths(self) -> tuple[int, ...]:
-        return (self.in_dim,)
-
-    def encode(self, x: mx.array) -> list[mx.array]:
-        return [x.astype(mx.float32)]
-
-    def normalize(self, h: mx.array) -> mx.array:
-        return getattr(type(self.norm), "_xquant_base", type(self.norm)).__call__(self.norm, h)
-
-    def rematerialize(self, parts: list[mx.array], dtype: mx.Dtype) -> tuple[mx.array,
-                                                                            mx.array]:
-        """Keys and values of the tokens stored as ``parts``: the module's own call."""
-        base = getattr(type(self.attn), "_xquant_base", type(self.attn))
-        call = bind_call(base.__call__, self.attn, (parts[0].astype(dtype),),
-                         {"cache": _Capture()}, lambda c: isinstance(c, _Capture))
-        keys, values = _rematerialize(call, call.x)
-        return keys.astype(dtype), values.astype(dtype)
-
-
-class _Capture:
-    """A cache at position 0 that keeps what the module hands it."""
-
-    attends = False
-    offset = 0
-
-    def __init__(self) -> None:
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys, self.values = keys, values
-        return keys, values
-
-    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
-        return None
-
-
-# Arguments that (in mlx_lm's sources) scale only the queries: the rematerializing call
-# gets a neutral 1 instead of the chunk's per-position values.
-QUERY_ONLY_ARGUMENTS = ("attn_scale",)
-
-
-def _rematerialize(call: ModuleCall, x_old: mx.array) -> tuple[mx.array, mx.array]:
-    """Earlier tokens' K and V: the module's own call on their X, cached at position 0
-    (only what leads to the captured keys and values is ever evaluated)."""
-    cap = _Capture()
-    changes: dict[str, Any] = {call.x_name: x_old, call.cache_names[0]: cap}
-    if call.mask_name is not None:
-        changes[call.mask_name] = None
-    if "offset" in call.arguments:
-        changes["offset"] = 0  # modules that take the position as an argument
-    for name in QUERY_ONLY_ARGUMENTS:
-        if isinstance(call.arguments.get(name), mx.array):
-            changes[name] = mx.array(1.0, x_old.dtype)
-    call.run(**changes)
-    if cap.keys is None:
-        raise RuntimeError("XQuant: the attention module did not hand its cache keys")
-    return cap.keys, cap.values
-
-
-class _XFetch:
-    """What a generically hooked module sees of its X-cache in one call: storing the
-    chunk's X, it hands back the earlier tokens' K/V followed by the chunk's own."""
-
-    attends = False
-
-    def __init__(self, cache: Any, call: ModuleCall, path: GenericXPath,
-                 residual: mx.array | None, row: int | None = None, n: int = 0) -> None:
-        rows = slice(None) if row is None else slice(row, row + 1)
-        cols = slice(None) if row is None else slice(0, n)
-        self._cache, self._call, self._path = cache, call, path
-        self._x = call.x[rows, cols]
-        self._residual = None if residual is None else residual[rows, cols]
-        self.offset = cache.offset
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cache, name)
-
-    def _check_tap(self) -> None:
-        # XQuant-CL rebuilds X as norm(residual): the tapped norm must be the one
-        # whose output this module receives, or the cached X would be another one.
-        if self._path.checked or self._path.taps_input or self._cache.method != "xquant_cl":
-            return
-        if not mx.allclose(self._path.normalize(self._residual), self._x, rtol=1e-3,
-                           atol=1e-3).item():
-            raise UnsupportedModelError(
-                f"xquant_cl cannot run on layer {self._cache.layer.layer_idx}: the block's "
-                f"input norm ({type(self._path.norm).__name__}) does not produce what its "
-                "attention receives, so the residual stream cannot rebuild X")
-        self._path.checked = True
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self._check_tap()
-        old = self._cache.update_x(self._x, self._residual, self._path)
-        if old is None:
-            return keys, values
-        k_old, v_old = _rematerialize(self._call, old[0].astype(self._x.dtype))
-        return (mx.concatenate([k_old.astype(keys.dtype), keys], axis=2),
-                mx.concatenate([v_old.astype(values.dtype), values], axis=2))
-
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        raise NotImplementedError("XQuant caches hold X: other layers cannot read their "
-                                  "keys and values")
-
-
-def _array_arguments(call: ModuleCall) -> list[str]:
-    """Names of arguments other than input, mask and cache that carry arrays."""
-    def arrays(v: Any) -> bool:
-        if isinstance(v, (list, tuple)):
-            return any(arrays(x) for x in v)
-        return isinstance(v, mx.array)
-
-    skip = {"self", call.x_name, call.mask_name, *call.cache_names, *QUERY_ONLY_ARGUMENTS}
-    return [n for n, v in call.arguments.items() if n not in skip and arrays(v)]
-
-
-def _is_x_cache(obj: Any) -> bool:
-    rows = getattr(obj, "caches", None)
-    if isinstance(rows, list) and hasattr(obj, "take_rows"):
-        return bool(rows) and hasattr(rows[0], "update_x")
-    return hasattr(obj, "update_x")
-
-
-def _x_generic_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    base = type(self)._xquant_base
-    call = bind_call(base.__call__, self, args, kwargs, _is_x_cache)
-    path: GenericXPath = self._xquant
-    cache = call.cache
-    if cache is None:
-        path.in_dim = call.x.shape[-1]
-        path.extra = _array_arguments(call)
-        return call.run()
-    residual, path.residual = path.residual, None
-    if path.taps_input:
-        residual = call.x
-    if hasattr(cache, "take_rows"):  # a batch of per-sequence caches: one row at a time
-        return call_per_row(call, cache,
-                            lambda c, i, n: _XFetch(c, call, path, residual, i, n),
-                            f"{base.__module__}.{base.__name__}")
-    return call.run(**{call.cache_names[0]: _XFetch(cache, call, path, residual)})
+    return below(self, X_HOOK).__call__(self, x)
 
 
 _NORM_NAMES = ("input_layernorm", "attention_norm", "ln_1", "norm1", "attn_norm",
@@ -462,7 +280,7 @@ def _input_norm(block: nn.Module | None, attn: nn.Module) -> nn.Module | None:
 
 
 def _specialized(attn: nn.Module) -> bool:
-    base = getattr(attn, "_xquant_base", type(attn))
+    base = original_class(attn)
     return base.__module__ in XQUANT_ATTENTION_MODULES and all(
         hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "rope"))
 
@@ -472,9 +290,7 @@ def _unhook(attn: nn.Module, norm: nn.Module | None) -> None:
     for mod in (norm, attn):
         if mod is None:
             continue
-        for attr in ("_xquant_base", "_vq_recon_base"):
-            if attr in type(mod).__dict__:
-                mod.__class__ = getattr(type(mod), attr)
+        unhook_module(mod)
         for name in ("_xquant", "_xquant_target"):
             if name in mod.__dict__:
                 delattr(mod, name)
@@ -488,12 +304,12 @@ def _hook_layer(info: LayerInfo, latent: bool) -> XProjection | GenericXPath:
         proj: XProjection | GenericXPath = XProjection(attn, norm, latent)
         call = _x_attention_call
     else:
-        proj, call = GenericXPath(attn, norm, latent), _x_generic_call
+        proj, call = GenericXPath(attn, norm, latent), x_generic_call
     attn._xquant = proj
-    attn.__class__ = _x_subclass(type(attn), call)
+    hook_module(attn, call, X_HOOK)
     if norm is not None:
         norm._xquant_target = proj
-        norm.__class__ = _x_subclass(type(norm), _x_norm_call)
+        hook_module(norm, _x_norm_call, X_HOOK)
     return proj
 
 
@@ -503,7 +319,7 @@ _WARNED_LATENT: set[type] = set()
 def _warn_latent(projs: dict[int, Any], latent: bool) -> None:
     """Say once per attention class that ``latent`` storage does not apply to it."""
     generic = {i: p for i, p in projs.items() if isinstance(p, GenericXPath)}
-    classes = {getattr(type(p.attn), "_xquant_base", type(p.attn)) for p in generic.values()}
+    classes = {original_class(p.attn) for p in generic.values()}
     new = classes - _WARNED_LATENT
     if latent and new:
         _WARNED_LATENT.update(new)
@@ -542,7 +358,7 @@ def install_x_hook(layers: list[LayerInfo], latent: bool = True,
         for info in layers:  # leave the model as it was
             _unhook(info.attention, _input_norm(info.block, info.attention))
         i, p = next(iter(bad.items()))
-        base = getattr(type(p.attn), "_xquant_base", type(p.attn))
+        base = original_class(p.attn)
         raise UnsupportedModelError(
             f"XQuant cannot rebuild the keys and values of layer(s) {sorted(bad)}: their "
             f"attention ({base.__module__}.{base.__name__}) takes {', '.join(p.extra)} "
@@ -558,9 +374,8 @@ def x_hook_installed(model: nn.Module) -> bool:
 def uninstall_x_hook(model: nn.Module) -> None:
     """Restore the original attention and norm classes of every hooked layer."""
     for mod in model.modules():
-        if "_xquant_base" not in type(mod).__dict__:
+        if not unhook_module(mod, X_HOOK):
             continue
-        mod.__class__ = type(mod)._xquant_base
         for name in ("_xquant", "_xquant_target"):
             if name in mod.__dict__:
                 delattr(mod, name)

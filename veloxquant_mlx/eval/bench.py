@@ -3,7 +3,7 @@
 For each context length and repeat, every method (order rotated per repeat, so drift
 on a shared machine hits all alike) builds fresh caches, prefills ``context`` tokens
 of text in chunks, then runs ``decode_steps`` teacher-forced decode steps, inside
-:func:`veloxquant_mlx.eval.memory.measure_retained`. Speeds are medians over repeats,
+:func:`veloxquant_mlx.adapter.retained.measure_retained`. Speeds are medians over repeats,
 reported as ratios to the dense ``none`` cache of the same context.
 
 Memory: the real bytes the caches keep alive (MLX's allocator, after prefill and after
@@ -37,9 +37,12 @@ from mlx.utils import tree_flatten
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder
 from veloxquant_mlx.adapter.mlx_lm import attention_routing
-from veloxquant_mlx.eval.memory import CacheSource, active_bytes, build_caches, measure_retained
+from veloxquant_mlx.adapter.retained import CacheSource, build_caches, measure_retained
+from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.eval.perplexity import Method, Spec, check_model_context, resolve_methods
-from veloxquant_mlx.ops.attention import sdpa, slot_parts, split_attention
+from veloxquant_mlx.memory import active_bytes
+from veloxquant_mlx.ops.attention import sdpa, split_attention
+from veloxquant_mlx.ops.parts import slot_parts
 
 
 def _rss() -> int:
@@ -181,7 +184,7 @@ def _layer_attention(c: Any, q: mx.array) -> mx.array:
 def _layer_codes(c: Any) -> list[mx.array]:
     """One layer's codes as the floats its decode attention multiplies (nothing for dense
     parts)."""
-    if not hasattr(c, "attention_slots"):
+    if not isinstance(c, CompressedCache):  # mlx_lm's own caches
         return []
     keys, values = c.attention_slots()
     return [f for p in slot_parts(keys) + slot_parts(values) for f in p.floats()]

@@ -616,7 +616,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     vocab = args.vocabulary.read_text().split() if args.vocabulary else list(ENGLISH)
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    cfg = LoadConfig(methods=args.methods or ["none", "kivi:bits=4", "affine:bits=4"],
+    from veloxquant_mlx.registry import reference
+
+    cfg = LoadConfig(methods=args.methods or [reference(), "kivi:bits=4", "affine:bits=4"],
                      max_kv_memory=args.max_kv_memory, model=args.model,
                      conversation_tokens=args.conversation_tokens, requests=args.requests,
                      clients=args.clients, max_queue=args.max_queue,

@@ -38,7 +38,7 @@ from veloxquant_mlx.adapter.builder import KVCacheBuilder
 from veloxquant_mlx.cache.base import LayerInfo
 from veloxquant_mlx.cache.rotated import rotated_class, wants_rotation
 from veloxquant_mlx.config import KVCacheConfig
-from veloxquant_mlx.registry import get_method
+from veloxquant_mlx.registry import get_method, methods
 
 
 @dataclass(frozen=True)
@@ -58,20 +58,17 @@ class Ladder:
         return {k: v[-1] for k, v in self.knobs.items()}
 
 
-HALVES = (1, 1.5, 2, 2.5, 3, 3.5, 4)
-AFFINE = (2, 3, 4, 5, 6, 8)
-KV = {"k_bits": ("keys",), "v_bits": ("values",)}
-# Ladder name -> ladder (``veloxquant tune`` calibrates each whose method it considers).
-LADDERS: dict[str, Ladder] = {
-    "turboquant": Ladder("turboquant", {"window": 16},
-                         {"k_bits": HALVES, "v_bits": HALVES}, KV),
-    # MLX affine codes of rotated vectors, up to 8 bits: the wider budgets.
-    "turboquant-affine": Ladder("turboquant", {"quantizer": "affine", "window": 32},
-                                {"k_bits": AFFINE, "v_bits": AFFINE}, KV),
-    "affine": Ladder("affine", {"group_size": 32, "rotate": True}, {"bits": (2, 3, 4, 8)},
-                     {"bits": ("keys", "values")}),
-    "kivi": Ladder("kivi", {}, {"bits": (2, 4)}, {"bits": ("keys", "values")}),
-}
+def ladders() -> dict[str, Ladder]:
+    """Ladder name -> ladder, from every method's ``precision_ladders`` (``veloxquant
+    tune`` calibrates each whose method it considers)."""
+    out: dict[str, Ladder] = {}
+    for name, cls in methods().items():
+        for label, spec in cls.precision_ladders().items():
+            if label in out:
+                raise ValueError(f"precision ladder {label!r} of method {name!r} is also "
+                                 f"one of method {out[label].method!r}")
+            out[label] = Ladder(name, **spec)
+    return out
 
 
 class _Perturbed(KVCache):
@@ -127,8 +124,7 @@ def _through_cache(config: KVCacheConfig, info: LayerInfo, keys: mx.array,
     """A cache of ``config`` that has stored ``keys``/``values`` (and attended once, so
     that methods coding at the end of a step have coded them)."""
     cache = _cache_class(config)(config, info)
-    if hasattr(cache, "owns_rotation"):
-        cache.owns_rotation = False  # one per model, not per layer: not a layer's bytes
+    cache.owns_rotation = False  # one per model, not per layer: not a layer's bytes
     cache.update_and_fetch(keys, values)
     if cache.attends:
         q = mx.zeros((keys.shape[0], info.n_kv_heads, 1, info.head_dim), keys.dtype)
@@ -239,7 +235,7 @@ def calibrate(model: nn.Module, tokens: Sequence[int], ladder: Ladder,
 def _fixed_bytes(ladder: Ladder, info: LayerInfo) -> int:
     """What the method holds once per model (its rotation), declared by one layer."""
     cache = _cache_class(ladder.config(**ladder.top()))(ladder.config(**ladder.top()), info)
-    if not hasattr(cache, "_rotations"):
-        return 0
     cache.owns_rotation = True
-    return sum(r.nbytes for r in cache._rotations())
+    owned = cache.accounted_bytes()
+    cache.owns_rotation = False
+    return owned - cache.accounted_bytes()

@@ -27,8 +27,8 @@ import numpy as np
 
 from veloxquant_mlx.adapter.builder import cache_stats
 from veloxquant_mlx.adapter.prefill import prefill
+from veloxquant_mlx.adapter.retained import CacheSource, build_caches
 from veloxquant_mlx.config import KVCacheConfig
-from veloxquant_mlx.eval.memory import CacheSource, build_caches
 
 Spec = str | KVCacheConfig | tuple[str, Callable[[nn.Module], list[Any]]]
 
@@ -181,7 +181,7 @@ class Method:
 
     @property
     def is_dense(self) -> bool:
-        return self.config is not None and self.config.method == "none"
+        return self.config is not None and self.config.is_reference
 
     def build(self, model: nn.Module) -> list[Any]:
         return build_caches(model, self.source)
@@ -217,7 +217,8 @@ def resolve_methods(specs: Sequence[Spec] | str, add_dense: bool = True) -> list
         raise ValueError(f"methods: {dupes} given more than once; each spec once")
     if add_dense:
         dense = next((m for m in out if m.is_dense), None)
-        out = [dense or Method("none", KVCacheConfig(method="none"))] + \
+        ref = KVCacheConfig()
+        out = [dense or Method(ref.method, ref)] + \
             [m for m in out if m is not dense]
     return out
 

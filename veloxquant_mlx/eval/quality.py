@@ -33,7 +33,7 @@ from typing import Any
 import mlx.nn as nn
 import numpy as np
 
-from veloxquant_mlx.eval.memory import measure_retained
+from veloxquant_mlx.adapter.retained import measure_retained
 from veloxquant_mlx.eval.perplexity import (
     Method,
     Spec,

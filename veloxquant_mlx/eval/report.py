@@ -1,7 +1,7 @@
 """Markdown tables, JSON run records, and the memory-vs-quality plot.
 
 Memory columns: ``real`` is what MLX's allocator says the caches keep alive (see
-``eval/memory.py``), the memory figure; ``declared`` is what the caches say they hold
+``adapter/retained.py``), the memory figure; ``declared`` is what the caches say they hold
 (``cache_stats``), shown beside it as a second opinion.
 """
 
@@ -111,7 +111,7 @@ def run_record(argv: list[str] | None = None, **extra: Any) -> dict[str, Any]:
         except md.PackageNotFoundError:
             versions[pkg] = None
     if versions["veloxquant_mlx"] is None:
-        from veloxquant_mlx import __version__
+        from veloxquant_mlx._version import __version__
 
         versions["veloxquant_mlx"] = __version__
     return {

@@ -36,7 +36,7 @@ import mlx.nn as nn
 
 from veloxquant_mlx.adapter.builder import cache_stats
 from veloxquant_mlx.adapter.prefill import prefill
-from veloxquant_mlx.eval.memory import measure_retained
+from veloxquant_mlx.adapter.retained import measure_retained
 from veloxquant_mlx.eval.perplexity import Method, Spec, check_model_context, resolve_methods
 from veloxquant_mlx.eval.text import encode, load_text
 

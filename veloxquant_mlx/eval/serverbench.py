@@ -49,7 +49,9 @@ class MlxLmServer(ServerProcess):
     """mlx_lm's own server (dense caches) on 127.0.0.1, the baseline."""
 
     def __init__(self, model: str, log_path: Path | None = None) -> None:
-        super().__init__("none", "0", model=None, log_path=log_path)
+        from veloxquant_mlx.registry import reference
+
+        super().__init__(reference(), "0", model=None, log_path=log_path)
         self.cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model,
                     "--host", "127.0.0.1", "--port", str(self.port)]
 

@@ -5,7 +5,7 @@
    mixed-precision configs of the quantizing methods (``eval.mixed``): a calibration
    pass on a few hundred tokens of the text, outside every scored window, allocates
    per-layer (and keys vs values) widths to the budget.
-2. Bytes: each candidate's real retained bytes (``eval.memory.measure_retained``: the
+2. Bytes: each candidate's real retained bytes (``adapter.retained.measure_retained``: the
    allocator, after a prefill of ``context`` tokens and a few decode steps) over the
    fp16-equivalent bytes of the same tokens. Candidates above the budget are dropped.
 3. Quality: of the survivors, the ``per_method`` largest of each family (a method,
@@ -37,12 +37,12 @@ from typing import Any
 import mlx.nn as nn
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder
+from veloxquant_mlx.adapter.retained import measure_retained
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.eval import mixed
-from veloxquant_mlx.eval.memory import measure_retained
 from veloxquant_mlx.eval.quality import evaluate_quality
 from veloxquant_mlx.eval.text import encode, load_text, token_windows
-from veloxquant_mlx.registry import methods
+from veloxquant_mlx.registry import get_method, methods
 
 QUICK = {"context": 1024, "predict": 64, "windows": 2}
 FULL = {"predict": 128, "windows": 4}
@@ -90,15 +90,10 @@ def candidate_configs(context: int, only: Sequence[str] = ()) -> list[KVCacheCon
 
 
 def family(config: KVCacheConfig) -> str:
-    """The method with what changes its bytes-to-quality curve: a quantized store,
-    rotation, per-layer widths (candidates are shortlisted per family)."""
-    tags = [config.method]
-    store = getattr(config.options, "store", "dense")
-    if store != "dense":
-        tags.append(f"store={store}")
-    quantizer = getattr(config.options, "quantizer", None)
-    if quantizer not in (None, "codebook"):
-        tags.append(f"quantizer={quantizer}")
+    """The method with what changes its bytes-to-quality curve: its ``curve_tags`` (a
+    quantized store, another quantizer), rotation, per-layer widths (candidates are
+    shortlisted per family)."""
+    tags = [config.method, *get_method(config.method).curve_tags(config.options)]
     if config.rotate:
         tags.append("rotate")
     if config.layers:
@@ -123,7 +118,7 @@ def mixed_candidates(model: nn.Module, tokens: list[int], params: TuneParams,
     """Calibrated per-layer widths for the budget (and a little under it, as real bytes
     carry buffers the allocation cannot see), one ladder per quantizing method."""
     out: list[KVCacheConfig] = []
-    for name, ladder in mixed.LADDERS.items():
+    for name, ladder in mixed.ladders().items():
         if params.only and ladder.method not in params.only:
             continue
         key = f"calibration:{name}:{params.calib_tokens}"
@@ -221,7 +216,7 @@ def measure_quality(model: nn.Module, tokenizer: Any, configs: list[KVCacheConfi
                                   params.windows, tokens=tokens, seed=params.seed,
                                   memory_steps=None, progress=progress)
         for row in result["rows"]:
-            if row["method"] != "none":
+            if row["method"] != KVCacheConfig().method:  # the dense reference row
                 journal.put(f"quality:{row['method']}", _quality_fields(row))
     return {c.to_string(): journal.get(f"quality:{c.to_string()}") for c in configs}
 

@@ -47,7 +47,7 @@ class TokenBuffer:
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens, in new exact-size arrays (the tail is released)."""
         n = max(0, min(n, self.n))
-        self.arrays = [mx.contiguous(a[:, :, :n]) for a in self.arrays] if n else None
+        self.arrays = [owned(a[:, :, :n]) for a in self.arrays] if n else None
         self.n = n
 
     def load(self, arrays: list[mx.array] | None) -> None:
@@ -66,4 +66,28 @@ def _grown(buf: mx.array | None, new: mx.array, used: int, spare: int) -> mx.arr
     if spare:
         parts.append(mx.zeros((*new.shape[:2], spare, *new.shape[3:]), new.dtype))
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
-    return mx.contiguous(out) if len(parts) == 1 else out
+    return owned(out) if len(parts) == 1 else out
+
+
+def without_front(a: mx.array | None, n: int, axis: int) -> mx.array | None:
+    """``a`` without its first ``n`` entries along ``axis``; ``None`` when nothing is
+    left. A copy: a kept slice would pin the dropped part."""
+    if a is None or n == 0:
+        return a
+    if n >= a.shape[axis]:
+        return None
+    index = [slice(None)] * a.ndim
+    index[axis] = slice(n, None)
+    return owned(a[tuple(index)])
+
+
+def owned(x: mx.array) -> mx.array:
+    """A copy of ``x`` in a buffer of its own size, to keep when its parent is dropped.
+
+    ``mx.contiguous`` returns a slice as it is when the slice happens to be row-
+    contiguous (a prefix of one KV head's tokens, one token of a token-major window),
+    and an elementwise copy may take over the dying parent's larger buffer (donation
+    checks the view's size): both keep the whole parent alive. A concatenation always
+    writes a fresh buffer (measured with the allocator: the trimmed tail is freed).
+    """
+    return mx.concatenate([x, x[..., :0]], axis=-1)

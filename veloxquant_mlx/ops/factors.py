@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops.buffers import owned
 
 ROW_GROUP = 32  # quantization group along the rank axis
 FAST_BITS = (2, 4, 8)  # code widths read through a byte view
@@ -88,9 +89,9 @@ def append_rows(held: Any, new: Any) -> Any:
 def keep_rows(x: Any, n: int) -> Any:
     """The first ``n`` rows, copied (a slice would pin the dropped rows)."""
     if isinstance(x, q.Quantized):
-        return q.Quantized(*(mx.contiguous(a[..., :n, :]) for a in x.arrays), x.bits,
+        return q.Quantized(*(owned(a[..., :n, :]) for a in x.arrays), x.bits,
                            x.group_size)
-    return mx.contiguous(x[..., :n, :])
+    return owned(x[..., :n, :])
 
 
 def rows_from(arrays: list[mx.array], bits: int | None) -> Any:

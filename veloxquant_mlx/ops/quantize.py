@@ -8,6 +8,8 @@ from functools import cache
 
 import mlx.core as mx
 
+from veloxquant_mlx.ops.buffers import owned
+
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUP_SIZES = (32, 64, 128)
 BYTE_BITS = (1, 2, 4, 8)  # widths whose codes never straddle a byte
@@ -125,9 +127,9 @@ def slice_groups(qt: Quantized, start: int, stop: int) -> Quantized:
     """Groups ``start:stop`` along the packed (last) axis, as copies (a slice would pin
     the whole parent): the inverse of :func:`concat_packed`."""
     words = qt.group_size * qt.bits // 32  # packed words per group
-    return Quantized(mx.contiguous(qt.codes[..., start * words:stop * words]),
-                     mx.contiguous(qt.scales[..., start:stop]),
-                     mx.contiguous(qt.biases[..., start:stop]), qt.bits, qt.group_size)
+    return Quantized(owned(qt.codes[..., start * words:stop * words]),
+                     owned(qt.scales[..., start:stop]),
+                     owned(qt.biases[..., start:stop]), qt.bits, qt.group_size)
 
 
 def dequantize_unpacked(qt: Quantized, dtype: mx.Dtype = mx.float32) -> mx.array:

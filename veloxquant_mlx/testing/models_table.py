@@ -49,7 +49,8 @@ from veloxquant_mlx.cache.base import CompressedCache, NotTrimmableError
 from veloxquant_mlx.cache.sliding import SlidingCache
 from veloxquant_mlx.config import ConfigError
 from veloxquant_mlx.errors import UnsupportedModelError
-from veloxquant_mlx.eval.memory import active_bytes
+from veloxquant_mlx.memory import active_bytes
+from veloxquant_mlx.registry import methods
 from veloxquant_mlx.testing.architectures import SURVEY, build_tiny
 
 PROMPT = [(i * 37 + 11) % 120 + 1 for i in range(24)]
@@ -344,8 +345,9 @@ def run_cell(model_type: str, method: str, options: dict[str, Any],
 
 # ------------------------------------------------------------------ the table
 # Options the table adds to a method's lossless settings: the catalog's tiny models
-# have two layers, and MiniCache's default merge range (the second half) holds one.
-MATRIX_EXTRA: dict[str, dict[str, Any]] = {"minicache": {"start_layer": 0}}
+# have one or two layers (each method's ``few_layer_options``).
+MATRIX_EXTRA: dict[str, dict[str, Any]] = {
+    name: cls.few_layer_options() for name, cls in methods().items() if cls.few_layer_options()}
 
 # Refusal reasons, most specific first: (pattern in the message, short label).
 REASONS: list[tuple[str, str]] = [

@@ -1,8 +1,11 @@
 """What a method's caches really keep alive, read from MLX's allocator.
 
-``measure_retained`` reads ``mx.get_active_memory()`` after ``gc.collect()`` and
-``mx.clear_cache()`` before the caches exist, right after the prefill and after the
-decode steps. The differences are the bytes the caches and everything the method
+In the adapter layer: it builds caches with the builder, and the server's memory budget
+(``apps.server_limits``) measures with it as the tools (``eval``) do.
+
+``measure_retained`` reads ``memory.active_bytes()`` (``mx.get_active_memory()`` after
+``gc.collect()`` and ``mx.clear_cache()``) before the caches exist, right after the
+prefill and after the decode steps. The differences are the bytes the caches and everything the method
 installed on the model keep alive: buffers a kept slice pins, coordinators, hooks with
 their own arrays. ``cache_stats(caches)["held_bytes"]`` (what the caches declare) is
 reported beside it as a second opinion; ``real / declared`` far from 1 means the
@@ -16,10 +19,8 @@ hook installed by an earlier build is rebuilt (and counted) inside the interval.
 
 from __future__ import annotations
 
-import gc
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -28,27 +29,10 @@ import mlx.nn as nn
 from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
 from veloxquant_mlx.adapter.prefill import prefill
 from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.memory import active_bytes, no_buffer_cache
 
 # A config, or a function building the caches (lets tests measure hand-made caches).
 CacheSource = KVCacheConfig | Callable[[nn.Module], list[Any]]
-
-
-def active_bytes() -> int:
-    """Bytes MLX keeps alive once garbage and the buffer cache are gone."""
-    gc.collect()
-    mx.clear_cache()
-    return mx.get_active_memory()
-
-
-@contextmanager
-def no_buffer_cache() -> Iterator[None]:
-    """MLX's buffer cache off: a new array then gets a buffer of its own size, not a
-    recycled one up to twice as large (allocator slack that is not the cache's)."""
-    limit = mx.set_cache_limit(0)
-    try:
-        yield
-    finally:
-        mx.set_cache_limit(limit)
 
 
 def build_caches(model: nn.Module, source: CacheSource) -> list[Any]:
