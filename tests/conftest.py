@@ -28,12 +28,12 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 # registered before the tests are collected, so every test parametrized over the
 # registry runs it too (tests/test_developing.py).
 DOC_EXAMPLE_ENV = "VELOXQUANT_DOC_EXAMPLE"
-DOC_EXAMPLE_MODULE = "veloxquant_mlx.cache.topk_example"
+DOC_EXAMPLE_MODULE = "veloxquant_mlx.cache.int8_example"
 
 
 def load_doc_example() -> ModuleType:
     """The example method's module (docs/developing.md's first Python block), imported
-    as if it were ``veloxquant_mlx/cache/topk_example.py``: that registers it."""
+    as if it were ``veloxquant_mlx/cache/int8_example.py``: that registers it."""
     doc = DOCS / "developing.md"
     code = re.search(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), re.S).group(1)
     spec = importlib.util.spec_from_loader(DOC_EXAMPLE_MODULE, loader=None)

@@ -34,22 +34,24 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture()
-def topk_module():
+def example_module():
     yield load_doc_example()
-    REGISTERED.pop("topk", None)
+    REGISTERED.pop("int8", None)
     sys.modules.pop(DOC_EXAMPLE_MODULE, None)
 
 
-def test_the_example_method_is_picked_up_everywhere(topk_module, tmp_path: Path) -> None:
-    assert "topk" in registry.methods()
-    cfg = KVCacheConfig.from_string("topk:capacity=24")
-    assert cfg.options.capacity == 24
-    args = build_parser().parse_args(["generate", "--method", "topk", "--capacity", "24"])
+def test_the_example_method_is_picked_up_everywhere(example_module, tmp_path: Path) -> None:
+    assert "int8" in registry.methods()
+    cfg = KVCacheConfig.from_string("int8:window=24")
+    assert cfg.options.window == 24
+    args = build_parser().parse_args(["generate", "--method", "int8", "--window", "24"])
     assert config_from_args(args) == cfg
     model = tiny_model("llama")
     caches = KVCacheBuilder.for_model(model, cfg)
     run_prefill(model, caches, PROMPT)
-    assert all(c.keys.shape[2] == 24 for c in caches)
+    # The window holds 24 tokens, the codes the rest; bytes follow from the form.
+    assert all(c.window[0].n == 24 and c.codes[0].n == len(PROMPT) - 24 for c in caches)
+    assert all(c.nbytes == c.accounted_bytes() for c in caches)
     save_prompt_cache(tmp_path / "c.safetensors", caches)
     loaded = load_prompt_cache(tmp_path / "c.safetensors", model=model)
     a = model(mx.array([[3]]), cache=caches)
@@ -59,7 +61,7 @@ def test_the_example_method_is_picked_up_everywhere(topk_module, tmp_path: Path)
 
 def test_every_registry_test_runs_the_example_with_no_edit_elsewhere() -> None:
     # Its docs page is step 2 of the example (prose, not written here).
-    select = "topk and not docs_page"
+    select = "int8 and not docs_page"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
          "-k", select, "tests"],

@@ -67,7 +67,7 @@ class AffineCache(StoredFormCache):
     Options = AffineOptions
     attends = True
     rotatable = True
-    drops_front = True  # codes are per token: any number of the oldest tokens can go
+    drops_front = True  # codes are per token: a ring may drop any of the oldest tokens
     meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
     compute_dtype = mx.float32
     # Multiply on the packed codes (``mx.quantized_matmul``) instead of dequantizing
@@ -79,16 +79,6 @@ class AffineCache(StoredFormCache):
         # 8 bits down to 2, groups of 32 (finer scales) below 8 bits; a 32-token fp window.
         return [dict(bits=b, group_size=g, window=32)
                 for b, g in ((8, 64), (6, 64), (5, 32), (4, 32), (3, 32), (2, 32))]
-
-    @classmethod
-    def drop_front(cls, state: list[Any], n: int, opts: Any) -> list[Any]:
-        # Per-token codes first, then the full-precision window (tokens on axis 2).
-        from veloxquant_mlx.ops.buffers import without_front
-
-        win_k, win_v, *codes = state
-        m = min(n, 0 if codes[0] is None else codes[0].shape[2])
-        return [without_front(win_k, n - m, 2), without_front(win_v, n - m, 2),
-                *(without_front(a, m, 2) for a in codes)]
 
     @classmethod
     def precision_ladders(cls) -> dict[str, dict[str, Any]]:

@@ -142,7 +142,7 @@ class CompressedCache(_BaseCache, ABC):
     # This layer's cache holds what the method keeps once per model (a rotation);
     # ``after_build`` gives it to one layer.
     owns_rotation: bool = False
-    # The saved state drops its oldest tokens exactly (``drop_front``, in multiples of
+    # The cache drops its oldest tokens exactly (``drop_oldest``, in multiples of
     # ``ring_alignment``), so a sliding-window ring (``cache.sliding``) may wrap it.
     drops_front: ClassVar[bool] = False
 
@@ -150,10 +150,10 @@ class CompressedCache(_BaseCache, ABC):
     def ring_alignment(cls, opts: Any) -> int:
         return 1
 
-    @classmethod
-    def drop_front(cls, state: list[Any], n: int, opts: Any) -> list[Any]:
-        """``state`` without its ``n`` oldest tokens: codes sliced, never re-coded."""
-        raise NotImplementedError(f"method {cls.method!r} cannot drop its oldest tokens")
+    def drop_oldest(self, n: int) -> None:
+        """Forget the ``n`` oldest tokens (a multiple of ``ring_alignment``), codes
+        sliced, never re-quantized (``drops_front``; stored forms derive it)."""
+        raise NotImplementedError(f"method {self.method!r} cannot drop its oldest tokens")
 
     @classmethod
     def needs_rotation(cls, opts: Any) -> bool:

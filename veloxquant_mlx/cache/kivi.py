@@ -83,7 +83,7 @@ class KIVICache(StoredFormCache):
     Options = KIVIOptions
     attends = True
     rotatable = True
-    drops_front = True
+    drops_front = True  # in whole key blocks (``ring_alignment``)
     meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
     # Attend on the packed codes (mx.quantized_matmul) instead of a dequantized transient.
     use_quantized_matmul = False
@@ -98,21 +98,6 @@ class KIVICache(StoredFormCache):
         # Keys are quantized in blocks of the residual length, counted from the cache's
         # first token: a drop of whole blocks keeps the rest aligned.
         return opts.window
-
-    @classmethod
-    def drop_front(cls, state: list[Any], n: int, opts: Any) -> list[Any]:
-        # Keys per channel in whole groups along the token axis (packed, last axis),
-        # values per token; the residuals hold the newest tokens.
-        from veloxquant_mlx.ops.buffers import without_front
-
-        res_k, res_v, kc, ks, kb, vc, vs, vb = state
-        mk = min(n, 0 if ks is None else ks.shape[-1] * opts.group_size)
-        words, groups = mk * opts.bits // 32, mk // opts.group_size
-        keys = [without_front(kc, words, 3), without_front(ks, groups, 3),
-                without_front(kb, groups, 3)]
-        mv = min(n, 0 if vc is None else vc.shape[2])
-        return [without_front(res_k, n - mk, 2), without_front(res_v, n - mv, 2), *keys,
-                *(without_front(a, mv, 2) for a in (vc, vs, vb))]
 
     @classmethod
     def precision_ladders(cls) -> dict[str, dict[str, Any]]:

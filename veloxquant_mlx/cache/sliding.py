@@ -10,12 +10,12 @@ including itself. A method compresses such a layer in one of two ways:
   ``min(window, W)`` recent tokens and no sinks);
 - ``SlidingCache``: a ring over a method's compressed form, for methods whose stored
   form does not depend on token positions and can drop its oldest tokens exactly
-  (``drops_front``, ``ring_alignment``, ``drop_front``). One inner cache of the method
-  holds the tokens; once ``block`` tokens older than the window have piled up, it is
-  rebuilt from its own saved state without them (the method's ``drop_front``: codes
-  sliced, never re-quantized, as a dequantize / quantize round trip would move codes by
-  a step). Attention runs through the inner cache's own ``attend``, with the model's own sliding mask mapped onto the
-  held tokens (or, without one, a band: every query sees the ``W`` most recent
+  (``drops_front``, ``ring_alignment``, ``drop_oldest``: a stored form's segments drop
+  their front, ``cache.segments``). One inner cache of the method holds the tokens; once
+  ``block`` tokens older than the window have piled up, it drops them (codes sliced,
+  never re-quantized, as a dequantize / quantize round trip would move codes by a
+  step). Attention runs through the inner cache's own ``attend``, with the model's own
+  sliding mask mapped onto the held tokens (or, without one, a band: every query sees the ``W`` most recent
   positions up to itself), so it sees exactly what mlx_lm's ring would give it.
 
 Methods that do neither leave sliding-window layers on mlx_lm's own cache.
@@ -92,19 +92,14 @@ class SlidingCache(CompressedCache):
 
     # ---- the ring ----
     def _drop_old(self) -> None:
-        """Rebuild the inner cache without the tokens no future query will see: its
-        saved state, sliced (the codes are kept as they are, never re-quantized)."""
+        """Drop from the inner cache the tokens no future query will see (its
+        ``drop_oldest``: codes sliced, never re-quantized)."""
         droppable = self.offset - self.window + 1 - self.start
         if droppable < self.block:
             return
         n = droppable // self.align * self.align
-        meta = list(self.inner.meta_state)
-        meta[0] = str(self.inner.offset - n)  # every ring method's meta starts offset
-        state = self.method_cls.drop_front(list(self.inner.state), n, self.config.options)
-        fresh = self.method_cls(self.config, self.layer)
-        fresh.meta_state = tuple(meta)
-        fresh.state = state
-        self.inner, self.start = fresh, self.start + n
+        self.inner.drop_oldest(n)
+        self.start += n
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.batch_size = keys.shape[0]

@@ -93,7 +93,10 @@ class StoredFormCache(CompressedCache):
         return True
 
     def trim(self, n: int) -> int:
-        """Drop the last ``n`` tokens; kept tokens stay exactly as held."""
+        """Drop the last ``n`` tokens; kept tokens stay exactly as held. A method whose
+        ``is_trimmable`` says no (e.g. after evicting) gets ``NotTrimmableError``."""
+        if not self.is_trimmable():
+            return super().trim(n)
         n = max(0, min(self.offset, n))
         if n:
             self.commit()
