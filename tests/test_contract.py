@@ -23,6 +23,7 @@ from veloxquant_mlx import (
     load_prompt_cache,
     save_prompt_cache,
 )
+from veloxquant_mlx.adapter.retained import warm_up
 from veloxquant_mlx.apps.prompt_cache import PromptCacheError
 from veloxquant_mlx.cache.base import CompressedCache, NotTrimmableError
 from veloxquant_mlx.memory import active_bytes, no_buffer_cache
@@ -57,12 +58,13 @@ def test_life_of_a_cache(method: str, tmp_path: Path) -> None:
     model = tiny_model("llama")
     cfg = small_config(method)
     with no_buffer_cache():
+        warm_up(model, cfg, PROMPT, 16)  # process-wide constants are not cache bytes
         base = active_bytes()
         caches = KVCacheBuilder.for_model(model, cfg)
         run_prefill(model, caches, PROMPT)
         _decode(model, caches, [5, 9])
         real, declared = active_bytes() - base, cache_stats(caches)["held_bytes"]
-    assert real <= 1.05 * declared + 4096, (real, declared)
+    assert real <= 1.05 * declared, (real, declared)
     assert all(c.offset == len(PROMPT) + 2 for c in caches)
 
     save_prompt_cache(tmp_path / "c.safetensors", caches)

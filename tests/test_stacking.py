@@ -87,11 +87,11 @@ def test_real_bytes_of_stacks_within_declared(model) -> None:
                      "snapkv:capacity=40,window=8,store=affine,k_bits=4,v_bits=4"):
             m = measure_retained(model, KVCacheConfig.from_string(spec), TOKENS[:100], 8)
             for when in ("prefill", "decode"):
-                # Plus a fixed 4 KiB: the first decode compiles the codebook kernels, whose
-                # constants MLX keeps once per process (not per cache, not per token). A
-                # kept slice pinning one 16-token chunk would add ~32 KiB here.
+                # The measurement warms the method up first, so the codebook kernels'
+                # process-wide constants are not counted. A kept slice pinning one
+                # 16-token chunk would add ~32 KiB here.
                 real, declared = m[f"real_{when}_bytes"], m[f"declared_{when}_bytes"]
-                assert real <= 1.05 * declared + 4096, (spec, m)
+                assert real <= 1.05 * declared, (spec, m)
     finally:
         mx.set_cache_limit(previous)
 
