@@ -43,15 +43,19 @@ def check_store_options(opts: Any) -> None:
             raise opts.error(name, f"one of {list(allowed)} for store={opts.store!r}")
 
 
-def store_needs_rotation(opts: Any) -> bool:
-    """Codebook codes assume rotated vectors: the builder rotates a cache with this store
-    (an eviction method's ``needs_rotation``)."""
-    return opts.store == "codebook"
+class StoreCapabilities:
+    """What an eviction method with a ``store`` option declares (put it before
+    ``CompressedCache`` in the bases)."""
 
+    @classmethod
+    def needs_rotation(cls, opts: Any) -> bool:
+        """Codebook codes assume rotated vectors: the builder rotates such a cache."""
+        return opts.store == "codebook"
 
-def store_curve_tags(opts: Any) -> list[str]:
-    """A quantized store puts an eviction method on another bytes-to-quality curve."""
-    return [] if opts.store == "dense" else [f"store={opts.store}"]
+    @classmethod
+    def curve_tags(cls, opts: Any) -> list[str]:
+        """A quantized store puts the method on another bytes-to-quality curve."""
+        return [] if opts.store == "dense" else [f"store={opts.store}"]
 
 
 def make_store(opts: Any, k_dim: int, v_dim: int, dtype: mx.Dtype, where: str

@@ -128,7 +128,7 @@ def select_tokens(weights: mx.array, n_kv_heads: int, capacity: int, kernel: int
 
 
 @register
-class SnapKVCache(CompressedCache):
+class SnapKVCache(ks.StoreCapabilities, CompressedCache):
     """Top-``capacity`` prompt tokens per KV head + the observation window + decode."""
 
     method = "snapkv"
@@ -192,14 +192,6 @@ class SnapKVCache(CompressedCache):
             grid += [dict(capacity=cap, store="codebook", k_bits=b, v_bits=b)
                      for b in (4, 3)]
         return grid
-
-    @classmethod
-    def needs_rotation(cls, opts: Any) -> bool:
-        return ks.store_needs_rotation(opts)
-
-    @classmethod
-    def curve_tags(cls, opts: Any) -> list[str]:
-        return ks.store_curve_tags(opts)
 
     @classmethod
     def small_options(cls) -> dict[str, Any]:

@@ -74,7 +74,7 @@ class StreamingOptions(MethodOptions):
 
 
 @register
-class StreamingCache(CompressedCache):
+class StreamingCache(ks.StoreCapabilities, CompressedCache):
     """Attention sinks + a sliding window of recent tokens (fixed size)."""
 
     method = "streaming"
@@ -141,14 +141,6 @@ class StreamingCache(CompressedCache):
             grid += [dict(window=window, store="codebook", k_bits=k, v_bits=v)
                      for k, v in ((4, 4), (3, 3), (3, 2), (2, 2))]
         return grid
-
-    @classmethod
-    def needs_rotation(cls, opts: Any) -> bool:
-        return ks.store_needs_rotation(opts)
-
-    @classmethod
-    def curve_tags(cls, opts: Any) -> list[str]:
-        return ks.store_curve_tags(opts)
 
     @classmethod
     def small_options(cls) -> dict[str, Any]:
