@@ -64,7 +64,9 @@ checked against mlx_lm's own cache:
 
 A cell is *supported* when every check passes (a check may also refuse with a clear
 error: batches on some models), *refused* when building the caches raises a clear error
-naming what is not supported. Anything else, an exception that is not a refusal or
+naming what is not supported (`UnsupportedModelError`, whose `reason` is a
+`veloxquant_mlx.errors.Refusal` such as `no_kv_layers`, `no_reconstruction` or
+`evicted_positions`, for code that acts on why). Anything else, an exception that is not a refusal or
 logits beyond the tolerance, fails the test: this table has none.
 """
 
@@ -94,7 +96,13 @@ method's own `attend` gives, at settings that compress and evict). The stored fo
 compressed; the reconstruction lives for one step. A warning says so once per model and method. In a batch, the hook runs such a
 module one row at a time with the mask each row would get alone. Methods that attend
 over their own form only (SnapKV, which needs the layer's queries to choose what to
-keep) refuse those layers, naming them. Where the code that updates a cache takes it
+keep) refuse those layers, naming them. Methods that evict (StreamingLLM) refuse layers
+whose attention is code of their own (`bypass`, `read`: gemma2, phi3small, plamo2,
+afm7, gemma3n): such code may take positions or its mask from the number of keys it is
+handed (afm7's KV-reuse layers rotate queries at that count, phi3small builds its
+block-sparse mask for keys 0..n-1), which eviction changes, and nothing outside the
+code says which do. Layers that still call mlx_lm's attention with the cache's mask
+(sinks, MLA latents, shared caches) keep StreamingLLM. Where the code that updates a cache takes it
 from the model's cache list instead of as an argument (iquestloopcoder's two-pass
 loop), no hook can reach it and every method refuses.
 

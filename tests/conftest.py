@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -75,6 +76,25 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if "method" in (names.replace(" ", "").split(",") if isinstance(names, str) else names):
             return
     metafunc.parametrize("method", list(methods()))
+
+
+@pytest.fixture(scope="session")
+def memory_model() -> Any:
+    """The allocator tests' model: 2 KV heads x 64, so a chunk's full-precision keys are
+    far larger than their codes (a chunk kept alive shows), and K and V together are
+    narrower than the layer input (XQuant installs its latent projections)."""
+    from veloxquant_mlx.testing.tiny import tiny_model
+
+    return tiny_model("llama", hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=64)
+
+
+@pytest.fixture()
+def no_buffer_cache() -> Iterator[None]:
+    """MLX's buffer cache off, so freed buffers leave the allocator's reading."""
+    previous = mx.set_cache_limit(0)
+    yield
+    mx.set_cache_limit(previous)
 
 
 def small_config(method: str, **extra: Any) -> KVCacheConfig:

@@ -164,6 +164,7 @@ def save_and_reload(model: Any, out: Path) -> dict[str, Any]:
         mx.array_equal(a, b).item() for a, b in zip(_arrays(c.state), _arrays(d.state)))
         for c, d in zip(caches, loaded))
     KVCacheBuilder.detach(model)
+    dist.barrier(dist.world())  # every rank has written its file before one lists them
     return {"offsets": [c.offset for c in loaded], "same_state": bool(same),
             "files": sorted(p.name for p in out.glob("kivi*.safetensors"))}
 

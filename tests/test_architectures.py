@@ -56,6 +56,8 @@ BYPASSES_ATTEND = {"afm7", "bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "g
                    "gemma3n", "gemma4", "gemma4_text", "glm4_moe_lite", "gpt_oss", "kimi_k25",
                    "kimi_k3", "kimi_linear", "kimi_vl", "mistral4", "phi3small", "plamo",
                    "plamo2"}
+# ... of which these compute attention by their own code (not mlx_lm's function).
+ATTENTION_BY_HAND = {"gemma2", "phi3small", "plamo2"}
 # The module that owns attention takes per-token arguments besides the layer input
 # (hunyuan's shared kv_states): a hook on that module cannot reproduce them.
 EXTRA_ATTENTION_ARGS = {"hunyuan"}
@@ -69,7 +71,8 @@ def expected_refusal(method: str, model_type: str) -> str | None:
     """The pattern of the refusal ``method`` must give on ``model_type``, or ``None``:
     from the model's facts above and the capabilities the method's class declares."""
     cls = methods()[method]
-    attends, rebuilds, hooks = method_caps(cls)
+    caps = method_caps(cls)
+    attends, rebuilds, hooks = caps.attends, caps.rebuilds, caps.hooks
     if model_type in NO_KV_CACHE:
         return NO_KV_CACHE[model_type]
     if model_type in SLIDING_ONLY and sliding_mode(cls, RotatingKVCache(max_size=8)) is None:
@@ -80,6 +83,8 @@ def expected_refusal(method: str, model_type: str) -> str | None:
         return "cannot rebuild the keys and values"
     if attends and not rebuilds and not hooks and model_type in BYPASSES_ATTEND:
         return "attends over its own compressed form only"
+    if caps.evicts and not hooks and model_type in ATTENTION_BY_HAND | READS_OTHER_LAYERS:
+        return "evicts tokens"
     if cls.min_layers > 1 and model_type in ONE_LAYER:
         return r"\blayers\b"  # the method's own words for needing more layers
     return None
@@ -125,7 +130,7 @@ def test_every_installed_model_type_is_catalogued() -> None:
 
 
 def test_model_facts_name_catalogued_model_types() -> None:
-    facts = [NO_KV_CACHE, SLIDING_ONLY, BYPASSES_ATTEND, EXTRA_ATTENTION_ARGS,
+    facts = [NO_KV_CACHE, SLIDING_ONLY, BYPASSES_ATTEND, ATTENTION_BY_HAND, EXTRA_ATTENTION_ARGS,
              READS_OTHER_LAYERS, ONE_LAYER, BATCH_REFUSED]
     named = set().union(*map(set, facts))
     assert named <= set(TYPES) and not named & NO_MLX_LM
@@ -162,7 +167,7 @@ def _prefill(model, caches, tokens) -> mx.array:
 
 # Methods with a dense reconstruction of their own form (not a hook on the module).
 RECONSTRUCTING = [m for m, cls in methods().items()
-                  if method_caps(cls)[1] and not method_caps(cls)[2]]
+                  if method_caps(cls).rebuilds and not method_caps(cls).hooks]
 
 
 @pytest.mark.parametrize("method", RECONSTRUCTING)

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from conftest import small_config
 from mlx_lm.generate import batch_generate, generate_step
-from test_memory import keep_dense_copy, no_buffer_cache  # noqa: F401 (a fixture)
+from test_memory import keep_dense_copy
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.cache.base import CompressedCache

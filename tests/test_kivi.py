@@ -7,7 +7,7 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from test_memory import keep_dense_copy, no_buffer_cache  # noqa: F401 (a fixture)
+from test_memory import keep_dense_copy
 
 from veloxquant_mlx import ConfigError, KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.adapter.mlx_lm import install_attention_routing

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -39,7 +39,6 @@ from veloxquant_mlx.cache import (
 )
 from veloxquant_mlx.memory import active_bytes
 from veloxquant_mlx.ops import buffers
-from veloxquant_mlx.testing.tiny import tiny_model
 
 BOUND = 1.05
 PROMPT, CHUNK, STEPS = 512, 128, 40
@@ -48,21 +47,6 @@ PROMPT, CHUNK, STEPS = 512, 128, 40
 # key block of 32 completes).
 READ_AT = (1, 8, 16, 24, 32, 40)
 TOKENS = [(i * 37 + 11) % 120 + 1 for i in range(PROMPT + STEPS)]
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    # 2 KV heads x 64: a 128-token chunk of keys is 32 KiB in float16; K and V together
-    # are narrower than the layer input, so XQuant installs its latent projections.
-    return tiny_model("llama", hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
-                      head_dim=64)
-
-
-@pytest.fixture()
-def no_buffer_cache() -> Iterator[None]:
-    previous = mx.set_cache_limit(0)
-    yield
-    mx.set_cache_limit(previous)
 
 
 def whole_chunks(model: Any, caches: list[Any], tokens: list[int] | None = None) -> None:
@@ -119,8 +103,8 @@ def worst(points: list[dict[str, int]]) -> tuple[float, dict[str, int]]:
     return max(ratios), points[ratios.index(max(ratios))]
 
 
-def test_real_memory_within_declared(model: Any, method: str, no_buffer_cache: None) -> None:
-    points = readings(model, small_config(method))
+def test_real_memory_within_declared(memory_model: Any, method: str, no_buffer_cache: None) -> None:
+    points = readings(memory_model, small_config(method))
     ratio, at = worst(points)
     assert ratio <= BOUND, f"{method}: real / declared = {ratio:.3f} at {at}"
     if method != "none":
@@ -148,10 +132,10 @@ PINNING = {
 
 
 @pytest.mark.parametrize("name", sorted(PINNING))
-def test_kept_slices_would_fail_the_bound(model: Any, name: str, no_buffer_cache: None,
+def test_kept_slices_would_fail_the_bound(memory_model: Any, name: str, no_buffer_cache: None,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     config = PINNING[name]
-    assert worst(readings(model, config, steps=0))[0] <= BOUND
+    assert worst(readings(memory_model, config, steps=0))[0] <= BOUND
     for module in (affine, kivi, snapkv, streaming, xkv, minicache_coordinator, xquant,
                    segments):
         monkeypatch.setattr(module, "mx", _no_copy_mx())
@@ -161,65 +145,65 @@ def test_kept_slices_would_fail_the_bound(model: Any, name: str, no_buffer_cache
         if mod_name.startswith("veloxquant_mlx.") and getattr(module, "owned", None) is \
                 original:
             monkeypatch.setattr(module, "owned", lambda x: x)
-    ratio, at = worst(readings(model, config, steps=0))
+    ratio, at = worst(readings(memory_model, config, steps=0))
     assert ratio > BOUND, f"{name}: a kept slice went unnoticed ({ratio:.3f} at {at})"
 
 
-def test_xkv_coordinator_state_is_adopted_or_declared(model: Any, no_buffer_cache: None,
+def test_xkv_coordinator_state_is_adopted_or_declared(memory_model: Any, no_buffer_cache: None,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     config = small_config("xkv")
-    settled = readings(model, config)
+    settled = readings(memory_model, config)
     assert worst(settled)[0] <= BOUND
     # Adopting only at each member's next update (no settling after the group's last
     # attention), the coordinator holds published blocks and partials between passes:
     # still honest, as the leader declares them, but more than three times the bytes.
     monkeypatch.setattr(xkv.XKVCache, "_settle_group", lambda self: None)
-    late = readings(model, config)
+    late = readings(memory_model, config)
     assert worst(late)[0] <= BOUND
     assert late[0]["real"] > 3 * settled[0]["real"]
     # Undeclared, that coordinator state fails the bound.
     monkeypatch.setattr(xkv.XKVCache, "_coordinator_arrays", lambda self: [])
-    ratio, at = worst(readings(model, config))
+    ratio, at = worst(readings(memory_model, config))
     assert ratio > BOUND, f"undeclared coordinator state went unnoticed ({ratio:.3f} at {at})"
 
 
-def test_kivi_completed_key_block_is_evaluated(model: Any, no_buffer_cache: None,
+def test_kivi_completed_key_block_is_evaluated(memory_model: Any, no_buffer_cache: None,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     # Step 32 completes a key block of 32: the step's output depends on the new codes
     # (``depend_on_state``), so evaluating its logits evaluates them.
     config = small_config("kivi", bits=2)
-    assert worst(readings(model, config))[0] <= BOUND
+    assert worst(readings(memory_model, config))[0] <= BOUND
     # Left lazy, they keep the old codes and the block's float16 keys alive.
     from veloxquant_mlx.adapter import mlx_lm as glue
 
     monkeypatch.setattr(glue, "depend_on_state", lambda out, cache: out)
-    ratio, at = worst(readings(model, config))
+    ratio, at = worst(readings(memory_model, config))
     assert ratio > BOUND and at["step"] == 32, (ratio, at)
 
 
-def test_snapkv_evicts_when_the_last_prompt_token_comes_alone(model: Any,
+def test_snapkv_evicts_when_the_last_prompt_token_comes_alone(memory_model: Any,
                                                               no_buffer_cache: None) -> None:
     """mlx_lm's ``generate_step`` feeds all but the last prompt token in chunks and the
     last one alone: SnapKV evicts then, at the end of the prompt, with the last
     ``window`` prompt queries as the observation window (the paper's timing)."""
     def feed(model: Any, caches: list[Any]) -> None:
-        prefill(model, caches, mx.array(TOKENS[:PROMPT]), CHUNK)  # the last token alone
+        prefill(memory_model, caches, mx.array(TOKENS[:PROMPT]), CHUNK)  # the last token alone
 
     config = small_config("snapkv")
-    (fed_whole,) = readings(model, config, steps=0)
-    (alone,) = readings(model, config, steps=0, feed=feed)
+    (fed_whole,) = readings(memory_model, config, steps=0)
+    (alone,) = readings(memory_model, config, steps=0, feed=feed)
     assert fed_whole["declared"] >= fed_whole["fp16"]  # all of it held, nothing evicted
     assert alone["real"] <= BOUND * alone["declared"]
     assert alone["real"] < 0.2 * alone["fp16"]
 
 
-def test_xquant_cl_accumulator_is_released(model: Any, no_buffer_cache: None,
+def test_xquant_cl_accumulator_is_released(memory_model: Any, no_buffer_cache: None,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     # The running reconstruction handed from layer to layer ([B, T, hidden] float32) is
     # dropped by the last layer of each forward pass ...
     config = small_config("xquant_cl")
-    assert worst(readings(model, config, steps=1))[0] <= BOUND
+    assert worst(readings(memory_model, config, steps=1))[0] <= BOUND
     # ... kept, it would be more than what all the caches hold.
     monkeypatch.setattr(xquant_coordinator.XQuantCoordinator, "release", lambda self: None)
-    ratio, at = worst(readings(model, config, steps=1))
+    ratio, at = worst(readings(memory_model, config, steps=1))
     assert ratio > BOUND, f"a kept accumulator went unnoticed ({ratio:.3f} at {at})"

@@ -58,24 +58,8 @@ def _logits(model: nn.Module, caches: list) -> mx.array:
     return logits
 
 
-# Cells that find a bug not fixed yet (strict: a fix makes them fail until removed).
-KNOWN_BROKEN: dict[tuple[str, str], str] = {
-    # Both models infer positions from the number of keys they are handed, which
-    # eviction breaks: StreamingLLM should refuse them (as mlx_lm's own max_kv_size ring
-    # would mislead them too).
-    ("streaming", "afm7"): "afm7's KV-reuse layers rotate their queries at position "
-                           "(number of keys - 1): after eviction, the wrong position",
-    ("streaming", "phi3small"): "phi3small's block-sparse layers build their mask for key "
-                                "positions 0..n-1: after eviction, it is misplaced",
-}
-
-
 @pytest.mark.parametrize("model_type", TYPES)
-def test_compressing_settings_match_the_reference(model_type: str, method: str,
-                                                  request: pytest.FixtureRequest) -> None:
-    if (method, model_type) in KNOWN_BROKEN:
-        request.applymarker(pytest.mark.xfail(strict=True,
-                                              reason=KNOWN_BROKEN[method, model_type]))
+def test_compressing_settings_match_the_reference(model_type: str, method: str) -> None:
     model = _model(model_type)
     config = small_config(method, **MATRIX_EXTRA.get(method, {}))
     KVCacheBuilder.detach(model)

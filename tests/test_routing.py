@@ -24,6 +24,7 @@ from veloxquant_mlx.adapter.mlx_lm import (
     uninstall_reconstruction,
 )
 from veloxquant_mlx.cache.base import CompressedCache
+from veloxquant_mlx.errors import Refusal
 from veloxquant_mlx.registry import get_method
 from veloxquant_mlx.testing.architectures import build_tiny
 from veloxquant_mlx.testing.tiny import tiny_model
@@ -72,12 +73,14 @@ def test_matches_mlx_lm_or_refuses(arch: str, method: str) -> None:
 def test_gemma2_gets_a_dense_reconstruction_or_a_refusal(method: str) -> None:
     # gemma2 computes soft-capped attention itself: a cache returning only the new chunk
     # would be attended to that chunk alone. Methods that rebuild their keys hand it a
-    # transient dense reconstruction (and say so once); the others refuse by name.
+    # transient dense reconstruction (and say so once); the others refuse by name, as
+    # do evicting methods (that attention may count positions from the keys it gets).
     model = tiny_model("gemma2")
     cls = get_method(method)
-    if cls.attends and cls.dense_kv is CompressedCache.dense_kv:
-        with pytest.raises(UnsupportedModelError, match="gemma2.*does not call"):
+    if (cls.attends and cls.dense_kv is CompressedCache.dense_kv) or cls.evicts:
+        with pytest.raises(UnsupportedModelError, match="gemma2.*does not call") as exc:
             KVCacheBuilder.for_model(model, lossless_config(method))
+        assert exc.value.reason in (Refusal.NO_RECONSTRUCTION, Refusal.EVICTED_POSITIONS)
         return
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")

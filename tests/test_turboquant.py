@@ -135,11 +135,11 @@ def test_sinks_and_window_stay_exact_and_bytes_are_what_is_declared() -> None:
         assert mx.abs(got[:, :, :4] - want[:, :, :4]).max().item() < 1e-2
         assert mx.abs(got[:, :, -16:] - want[:, :, -16:]).max().item() < 1e-2
     n_coded = 70 - 4 - 16
-    assert c.codes["keys"].buf.n == n_coded
+    assert c.codes[0].buf.n == n_coded
     assert c.nbytes == c.accounted_bytes()
     per_token = cb.coded_bytes(1, 64, 3) + cb.coded_bytes(1, 64, 2)
-    assert c.codes["keys"].buf.nbytes() + c.codes["values"].buf.nbytes() == \
-        2 * c.codes["keys"].buf.slots * per_token
+    assert c.codes[0].buf.nbytes() + c.codes[1].buf.nbytes() == \
+        2 * c.codes[0].buf.slots * per_token
 
 
 @pytest.mark.parametrize("drop", [3, 25, 58])

@@ -11,7 +11,6 @@ bytes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -27,21 +26,6 @@ from veloxquant_mlx.testing.tiny import tiny_model
 BOUND = 1.05
 CHUNK, STEPS = 512, 16
 TOKENS = [(i * 37 + 11) % 120 + 1 for i in range(2 * CHUNK + STEPS)]
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    # 2 KV heads x 64 (as tests/test_memory.py): a chunk's float32 keys are far larger
-    # than their codes, so a chunk kept alive by lazy codes shows.
-    return tiny_model("llama", hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
-                      head_dim=64)
-
-
-@pytest.fixture()
-def no_buffer_cache() -> Iterator[None]:
-    previous = mx.set_cache_limit(0)
-    yield
-    mx.set_cache_limit(previous)
 
 
 def plain_loop(model: Any, caches: list[Any], steps: int) -> list[tuple[int, int]]:
@@ -77,20 +61,20 @@ def readings(model: Any, method: str, steps: int = STEPS) -> list[tuple[int, int
     return points
 
 
-def test_plain_loop_memory_is_what_the_caches_declare(model: Any, method: str,
+def test_plain_loop_memory_is_what_the_caches_declare(memory_model: Any, method: str,
                                                       no_buffer_cache: None) -> None:
     for when, (real, declared) in zip(("after the prompt", "after decode"),
-                                      readings(model, method)):
+                                      readings(memory_model, method)):
         assert real <= BOUND * declared, f"{method} {when}: real {real} / declared {declared}"
 
 
-def test_without_the_state_edge_the_plain_loop_keeps_chunks(model: Any, no_buffer_cache: None,
+def test_without_the_state_edge_the_plain_loop_keeps_chunks(memory_model: Any, no_buffer_cache: None,
                                                             monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
     """The bound above fails without ``depend_on_state``: the lazy codes keep the chunk."""
     monkeypatch.setattr(glue, "depend_on_state", lambda out, cache: out)
     monkeypatch.setattr(cache_base, "depend_on_state", lambda out, cache: out)
-    real, declared = readings(model, "kivi", steps=0)[0]
+    real, declared = readings(memory_model, "kivi", steps=0)[0]
     assert real > BOUND * declared, (real, declared)
 
 

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from conftest import prefill_then_decode
 from mlx_lm.models.cache import KVCache, make_prompt_cache
-from test_memory import keep_dense_copy, no_buffer_cache  # noqa: F401 (a fixture)
+from test_memory import keep_dense_copy
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
 from veloxquant_mlx.cache.base import LayerInfo

@@ -36,7 +36,7 @@ from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
 from veloxquant_mlx.cache.rotated import rotated_class, wants_rotation
 from veloxquant_mlx.cache.sliding import SlidingCache, sliding_mode
 from veloxquant_mlx.config import ConfigError, KVCacheConfig
-from veloxquant_mlx.errors import UnsupportedModelError
+from veloxquant_mlx.errors import Refusal, UnsupportedModelError
 from veloxquant_mlx.registry import get_method, methods
 
 
@@ -82,7 +82,8 @@ def _nothing_to_compress(model: nn.Module, method: str,
         f"{model_name(model)} has no plain full-attention layers that method {method!r} "
         f"can compress: its cache slots are {have}{extra}. Compressed: plain KV caches (mlx_lm's "
         "KVCache) and, for some methods, sliding-window ones (RotatingKVCache); "
-        "recurrent, chunked, list and model-specific caches keep the model's own.")
+        "recurrent, chunked, list and model-specific caches keep the model's own.",
+        Refusal.NO_KV_LAYERS)
 
 
 def _check_overrides(config: KVCacheConfig, modes: dict[int, str]) -> None:

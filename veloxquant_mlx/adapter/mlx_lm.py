@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,7 +52,7 @@ from veloxquant_mlx.cache.module_call import (
     original_class,
     unhook_module,
 )
-from veloxquant_mlx.errors import UnsupportedModelError
+from veloxquant_mlx.errors import Refusal, UnsupportedModelError
 
 __all__ = ["AttentionLayout", "SlotProbe", "UnsupportedModelError", "attention_layout",
            "attention_module", "attention_routing", "bind_routing", "check_attention_routing",
@@ -518,7 +518,8 @@ def probe_model(model: nn.Module) -> list[SlotProbe | None]:
         except Exception as exc:
             raise UnsupportedModelError(
                 f"found no plain full-attention layers in {model_name(model)}: a two-token "
-                f"probe through its KV caches failed ({type(exc).__name__}: {exc})") from exc
+                f"probe through its KV caches failed ({type(exc).__name__}: {exc})",
+                Refusal.PROBE_FAILED) from exc
     out: list[SlotProbe | None] = [None] * len(caches)
     windows = frozenset(w for p in probes.values() for w in p.mask_windows)
     for i, p in probes.items():
@@ -616,16 +617,29 @@ def uninstall_reconstruction(model: nn.Module) -> None:
 _WARNED: set[tuple[str, str]] = set()
 
 
-def method_caps(cls: type) -> tuple[bool, bool, bool]:
-    """Whether a cache class attends itself, can rebuild dense K/V, and takes over the
-    owning module's call with a hook of its own (``hooks_module``: XQuant's X hook)."""
+# Probe problems where the layer's attention is code of its own (not mlx_lm's function
+# with the cache's mask): nothing says where it takes positions from.
+HAND_ATTENTION = frozenset({"bypass", "read"})
+
+
+class MethodCaps(NamedTuple):
+    """What routing needs to know of a cache class."""
+
+    attends: bool  # it attends itself (``attend``)
+    rebuilds: bool  # it can hand a dense view of its keys and values (``dense_kv``)
+    hooks: bool  # it takes over the owning module's call (``hooks_module``)
+    evicts: bool  # it holds fewer tokens than it has seen (``evicts``)
+
+
+def method_caps(cls: type) -> MethodCaps:
+    """The routing capabilities a cache class declares."""
     from veloxquant_mlx.cache.base import CompressedCache
 
-    return (bool(cls.attends), cls.dense_kv is not CompressedCache.dense_kv,
-            bool(cls.hooks_module))
+    return MethodCaps(bool(cls.attends), cls.dense_kv is not CompressedCache.dense_kv,
+                      bool(cls.hooks_module), bool(cls.evicts))
 
 
-def _method_caps(method: str) -> tuple[bool, bool, bool]:
+def _method_caps(method: str) -> MethodCaps:
     from veloxquant_mlx.registry import get_method
 
     return method_caps(get_method(method))
@@ -637,13 +651,13 @@ def _where(probes: list[SlotProbe]) -> str:
     return ", ".join(sorted(mods)) or "?"
 
 
-def _refusal(model: nn.Module, method: str, bad: list[SlotProbe], why: str
-             ) -> UnsupportedModelError:
+def _refusal(model: nn.Module, method: str, bad: list[SlotProbe], why: str,
+             reason: Refusal) -> UnsupportedModelError:
     problems = "; ".join(sorted({p.describe() for p in bad}))
     return UnsupportedModelError(
         f"method {method!r} cannot run on {model_name(model)}: the attention of layer(s) "
         f"{[p.slot for p in bad]} ({_where(bad)}) {problems}; {why} (silently wrong "
-        "output otherwise).")
+        "output otherwise).", reason)
 
 
 def _check_own_hook(model: nn.Module, method: str, probes: list[SlotProbe],
@@ -655,18 +669,19 @@ def _check_own_hook(model: nn.Module, method: str, probes: list[SlotProbe],
     if stuck:
         raise _refusal(model, method, stuck, "the code that runs it takes the cache from "
                        "the model's cache list rather than as an argument, so no hook can "
-                       "reach it")
+                       "reach it", Refusal.UNHOOKABLE)
     read = [p for p in probes if "read" in p.problems]
     if read and not reconstructs:
         raise _refusal(model, method, read, f"{method!r} holds the layer input, not K/V, "
-                       "and cannot rebuild the keys and values for other layers to read")
+                       "and cannot rebuild the keys and values for other layers to read",
+                       Refusal.NO_RECONSTRUCTION)
     readers = [m for p in read for m in p.readers if m is not model]
     install_reconstruction(readers)  # they read through a view; batches refused clearly
 
 
 def check_attention_routing(model: nn.Module, layer_ids: list[int], method: str,
                             probes: list[SlotProbe | None] | None = None,
-                            caps: tuple[bool, bool, bool] | None = None) -> list[int]:
+                            caps: MethodCaps | None = None) -> list[int]:
     """Make every slot in ``layer_ids`` attend correctly, or raise.
 
     Routable slots need nothing. Others get the reconstruction hook when the method
@@ -683,9 +698,11 @@ def check_attention_routing(model: nn.Module, layer_ids: list[int], method: str,
     if unused:
         raise UnsupportedModelError(
             f"{model_name(model)}: cache slot(s) {unused} are not used as KV caches by "
-            f"the model's attention, so method {method!r} cannot compress them")
+            f"the model's attention, so method {method!r} cannot compress them",
+            Refusal.UNUSED_SLOT)
     bad = [probes[i] for i in layer_ids if not probes[i].routable]
-    attends, reconstructs, own_hook = _method_caps(method) if caps is None else caps
+    caps = _method_caps(method) if caps is None else caps
+    attends, reconstructs, own_hook = caps.attends, caps.rebuilds, caps.hooks
     if own_hook:  # the method serves the owning modules' calls itself (XQuant)
         _check_own_hook(model, method, [probes[i] for i in layer_ids], reconstructs)
         return []
@@ -695,12 +712,18 @@ def check_attention_routing(model: nn.Module, layer_ids: list[int], method: str,
     if stuck:
         raise _refusal(model, method, stuck, "the code that runs it takes the cache from "
                        "the model's cache list rather than as an argument, so no dense "
-                       "reconstruction can be handed to it")
+                       "reconstruction can be handed to it", Refusal.UNHOOKABLE)
     if not reconstructs:
         raise _refusal(model, method, bad, f"{method!r} attends over its own compressed "
                        "form only and has no dense reconstruction to hand such a layer. "
                        "Methods that rebuild their keys and values (affine, kivi, ...) "
-                       "run on this model")
+                       "run on this model", Refusal.NO_RECONSTRUCTION)
+    by_hand = [p for p in bad if p.problems & HAND_ATTENTION]
+    if caps.evicts and by_hand:
+        raise _refusal(model, method, by_hand, f"{method!r} evicts tokens, and attention "
+                       "computed by hand over a dense view may take positions or its mask "
+                       "from the number of keys it is handed (afm7 and phi3small do), "
+                       "which eviction changes", Refusal.EVICTED_POSITIONS)
     # The model itself may read a cache (e.g. afm7): it gets the caches' own
     # ``keys_and_values``, a dense reconstruction already.
     install_reconstruction([m for p in bad for m in p.modules() if m is not model])

@@ -139,6 +139,9 @@ class CompressedCache(_BaseCache, ABC):
     # Takes over the owning module's call with a hook of its own (XQuant's ``update_x``).
     hooks_module: ClassVar[bool] = False
     min_layers: ClassVar[int] = 1  # fewest layers it compresses (a pair needs two)
+    # It holds fewer tokens than it has seen (eviction): layers that attend by
+    # themselves over its dense view are refused (positions may follow the key count).
+    evicts: ClassVar[bool] = False
     # This layer's cache holds what the method keeps once per model (a rotation);
     # ``after_build`` gives it to one layer.
     owns_rotation: bool = False
@@ -149,6 +152,13 @@ class CompressedCache(_BaseCache, ABC):
     @classmethod
     def ring_alignment(cls, opts: Any) -> int:
         return 1
+
+    @classmethod
+    def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
+                    ) -> mx.array | None:
+        """One attention call over one decode query per row of a batch (``cache.batch``),
+        or None: the batch then attends one row at a time."""
+        return None
 
     def drop_oldest(self, n: int) -> None:
         """Forget the ``n`` oldest tokens (a multiple of ``ring_alignment``), codes

@@ -5,11 +5,15 @@ mlx_lm merges the per-sequence caches of a layer into one batch cache
 (``prepare(lengths=..., right_padding=...)``), and later ``filter``s, ``extend``s
 and ``extract``s sequences. Compressed forms (codes, factors, evicted sets) do not
 pad or concatenate generically, so a ``BatchedCache`` keeps each sequence's own
-compressed cache and runs attention one sequence at a time:
+compressed cache:
 
 - ``update_and_fetch`` hands row ``i`` only its real (unpadded) tokens;
-- ``attend`` runs each row's queries over that row's cache with a causal mask and
-  zero-fills the padded query positions (their outputs are never used);
+- a decode step (one token per row) attends every row in one call where the rows'
+  class can lay its stored segments side by side (``attend_rows``: stored forms,
+  ``cache.stored``; padded per segment, a mask per row), or where the rows return dense
+  keys and values (one ``mx.fast.scaled_dot_product_attention`` over them, padded);
+- otherwise ``attend`` runs each row's queries over that row's cache with a causal
+  mask and zero-fills the padded query positions (their outputs are never used);
 - ``offset`` is a per-sequence array, so RoPE places every row at its own position.
 
 Each sequence's caches were built by ``KVCacheBuilder.for_model`` for that sequence,
@@ -25,6 +29,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from veloxquant_mlx.ops.attention import sdpa
+from veloxquant_mlx.ops.batch_parts import batch_slots
+from veloxquant_mlx.ops.parts import Slot
 
 
 class BatchedCache(_BaseCache):
@@ -82,8 +88,28 @@ class BatchedCache(_BaseCache):
             self._dense.append(None if c.attends else kv)
         return keys, values
 
+    def _attend_at_once(self, queries: mx.array, scale: float) -> mx.array | None:
+        """A decode step of every row in one call, where the rows' class lays their
+        stored forms side by side (``attend_rows``); None otherwise."""
+        first = self.caches[0]
+        if (queries.shape[2] != 1 or any(r != 1 for r in self._real)
+                or any(type(c) is not type(first) for c in self.caches)):
+            return None
+        if all(d is not None for d in self._dense):  # dense keys and values per row
+            rows = [([Slot("dense", [k], k.shape[2])], [Slot("dense", [v], v.shape[2])])
+                    for k, v in self._dense]
+            b = batch_slots(rows)
+            return sdpa(queries, b.keys[0].arrays[0], b.values[0].arrays[0], scale, b.mask)
+        if any(d is not None for d in self._dense):
+            return None
+        return type(first).attend_rows(self.caches, queries, scale)
+
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         B, Hq, L, _ = queries.shape
+        out = self._attend_at_once(queries, scale)
+        if out is not None:
+            self._dense = []
+            return out
         outs = []
         for i, (c, r) in enumerate(zip(self.caches, self._real)):
             q = queries[i:i + 1, :, :r]

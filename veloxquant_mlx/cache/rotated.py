@@ -74,6 +74,13 @@ class RotatedMixin:
             self._raw = False
         return _turn(out, self.rot_v.T)
 
+    @classmethod
+    def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
+                    ) -> mx.array | None:
+        first = rows[0]
+        out = super().attend_rows(rows, _turn(queries, first.rot_k), scale)
+        return None if out is None else _turn(out, first.rot_v.T)
+
     def _dense_back(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
         keys, values = super().dense_kv(dtype)
         if self._raw:

@@ -13,7 +13,8 @@ which segment a new token goes to.
 Kinds: :class:`Dense` (a full-precision run: windows, sinks, residuals),
 :class:`TokenCodes` (per-token affine codes along the head dimension, in a buffer
 written in place), :class:`ChannelCodes` (per-channel codes along the tokens in whole
-groups: KIVI's keys). A new quantizer or layout is a new kind here.
+groups: KIVI's keys), :class:`CodebookCodes` (per-vector Lloyd-Max codes of rotated
+vectors: TurboQuant). A new quantizer or layout is a new kind here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
+from veloxquant_mlx.ops import codebook as cb
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.buffers import TokenBuffer, owned, without_front
 from veloxquant_mlx.ops.parts import Part, Slot, slot_parts
@@ -153,15 +155,11 @@ class Dense(Segment):
         self.x = entries[0]
 
 
-class TokenCodes(Segment):
-    """Per-token affine codes along the head dimension (``mx.quantize``) in a buffer
-    written in place (a reserve of about 3% of the tokens, counted)."""
+class _Buffered(Segment):
+    """Per-token arrays in a buffer written in place (a reserve of about 3% of the
+    tokens, counted)."""
 
-    kind = "token"
-    n_state = 3
-
-    def __init__(self, bits: int, group_size: int, dim: int) -> None:
-        self.bits, self.group_size, self.dim = bits, group_size, dim
+    def __init__(self) -> None:
         self.buf = TokenBuffer()
 
     @property
@@ -170,23 +168,6 @@ class TokenCodes(Segment):
 
     def arrays(self) -> list[mx.array]:
         return list(self.buf.arrays or [])
-
-    def accounted(self, batch: int, heads: int) -> int:
-        per_token = q.quantized_bytes(self.dim, self.bits, self.group_size)
-        return batch * heads * self.buf.slots * per_token
-
-    def append(self, x: mx.array) -> None:
-        self.buf.append(q.quantize(x, self.bits, self.group_size).arrays)
-
-    def codes(self) -> q.Quantized:
-        return q.Quantized(*self.buf.used(), self.bits, self.group_size)
-
-    def slot(self, packed: bool = False) -> Slot:
-        return Slot("token", list(self.buf.used() or []), self.n,
-                    (self.bits, self.group_size), packed)
-
-    def dense(self, dtype: mx.Dtype) -> mx.array:
-        return q.dequantize(self.codes(), dtype)
 
     def drop_front(self, n: int) -> None:
         used = self.buf.used()
@@ -199,10 +180,41 @@ class TokenCodes(Segment):
 
     def state(self) -> list[mx.array | None]:
         used = self.buf.used()
-        return list(used) if used is not None else [None] * 3
+        return list(used) if used is not None else [None] * self.n_state
 
     def load(self, entries: Sequence[mx.array | None]) -> None:
         self.buf.load(None if entries[0] is None else list(entries))
+
+
+class TokenCodes(_Buffered):
+    """Per-token affine codes along the head dimension (``mx.quantize``; the input cast
+    to ``dtype`` first when given, which sets the scales' dtype)."""
+
+    kind = "token"
+    n_state = 3
+
+    def __init__(self, bits: int, group_size: int, dim: int,
+                 dtype: mx.Dtype | None = None) -> None:
+        super().__init__()
+        self.bits, self.group_size, self.dim, self.dtype = bits, group_size, dim, dtype
+
+    def accounted(self, batch: int, heads: int) -> int:
+        per_token = q.quantized_bytes(self.dim, self.bits, self.group_size)
+        return batch * heads * self.buf.slots * per_token
+
+    def append(self, x: mx.array) -> None:
+        x = x if self.dtype is None else x.astype(self.dtype)
+        self.buf.append(q.quantize(x, self.bits, self.group_size).arrays)
+
+    def codes(self) -> q.Quantized:
+        return q.Quantized(*self.buf.used(), self.bits, self.group_size)
+
+    def slot(self, packed: bool = False) -> Slot:
+        return Slot("token", list(self.buf.used() or []), self.n,
+                    (self.bits, self.group_size), packed)
+
+    def dense(self, dtype: mx.Dtype) -> mx.array:
+        return q.dequantize(self.codes(), dtype)
 
 
 class ChannelCodes(Segment):
@@ -265,17 +277,59 @@ class ChannelCodes(Segment):
                                                              self.group_size)
 
 
+class CodebookCodes(_Buffered):
+    """Per-vector Lloyd-Max codes of rotated vectors (``ops.codebook``): a float16 scale
+    per vector and ``bits`` per channel (fractional widths split the channels), packed
+    in bytes where the width allows (bit planes in caches saved that way)."""
+
+    kind = "coded"
+
+    def __init__(self, bits: float, dim: int) -> None:
+        super().__init__()
+        self.bits, self.dim = bits, dim
+        self.widths = tuple(cb.split_bits(bits, dim))
+        self.n_state = len(self.widths) + 1
+        self.packing = "bytes"  # decodes without a gather
+
+    def accounted(self, batch: int, heads: int) -> int:
+        return batch * heads * cb.coded_bytes(self.buf.slots, self.dim, self.bits)
+
+    def append(self, x: mx.array) -> None:
+        self.buf.append(cb.encode(x, self.bits, self.packing).arrays)
+
+    def slot(self, packed: bool = False) -> Slot:
+        return Slot("coded", list(self.buf.used() or []), self.n,
+                    (self.widths, self.packing))
+
+    def dense(self, dtype: mx.Dtype) -> mx.array:
+        used = self.buf.used()
+        return cb.decode(cb.Coded(used[:-1], used[-1], self.widths, self.packing), dtype)
+
+    def load(self, entries: Sequence[mx.array | None]) -> None:
+        super().load(entries)
+        if entries[0] is not None:  # a byte-packable width saved as [.., g, bits]: planes
+            planes = any(a.ndim == 5 for a, (_, b) in zip(entries, self.widths)
+                         if b in cb.BYTE_WIDTHS)
+            self.packing = "planes" if planes else "bytes"
+
+
+Layout = Sequence["Segment | tuple[Segment, ...]"]
+
+
 class StoredForm:
     """A cache's keys and values as segments, each side in token order.
 
     ``state_order`` lists every segment once, in the order of the cache's ``state``
-    (the saved-file layout); by default the keys' segments, then the values'.
+    (the saved-file layout); by default the keys' segments, then the values'. A tuple
+    of segments there is saved as one nested entry: their entries in one list, or
+    ``None`` while all of them are empty.
     """
 
     def __init__(self, keys: list[Segment], values: list[Segment],
-                 state_order: list[Segment] | None = None) -> None:
+                 state_order: Layout | None = None) -> None:
         self.keys, self.values = keys, values
-        self.order = state_order if state_order is not None else [*keys, *values]
+        self.layout = list(state_order) if state_order is not None else [*keys, *values]
+        self.order = [s for e in self.layout for s in (e if isinstance(e, tuple) else (e,))]
         if sorted(map(id, self.order)) != sorted(map(id, [*keys, *values])):
             raise ValueError("state_order must list every key and value segment once")
 
@@ -291,18 +345,29 @@ class StoredForm:
     def tokens(self) -> tuple[int, int]:
         return sum(s.n for s in self.keys), sum(s.n for s in self.values)
 
-    def state(self) -> list[mx.array | None]:
-        return [e for s in self.order for e in s.state()]
+    def state(self) -> list[Any]:
+        out: list[Any] = []
+        for e in self.layout:
+            if not isinstance(e, tuple):
+                out += e.state()
+            else:
+                out.append([x for s in e for x in s.state()] if any(s.n for s in e)
+                           else None)
+        return out
 
     def load(self, entries: Sequence[Any]) -> None:
-        need = sum(s.n_state for s in self.order)
+        need = sum(1 if isinstance(e, tuple) else e.n_state for e in self.layout)
         if len(entries) != need:
             raise ValueError(f"state has {len(entries)} entries; this stored form takes "
                              f"{need} ({', '.join(s.kind for s in self.order)})")
         i = 0
-        for s in self.order:
-            s.load(entries[i:i + s.n_state])
-            i += s.n_state
+        for e in self.layout:
+            if isinstance(e, tuple):
+                _load_group(e, entries[i])
+                i += 1
+            else:
+                e.load(entries[i:i + e.n_state])
+                i += e.n_state
 
     def slots(self, packed: bool = False) -> tuple[list[Slot], list[Slot]]:
         """Key and value slots in token order (empty segments included, ``n == 0``)."""
@@ -362,3 +427,15 @@ class StoredForm:
     def align(self) -> int:
         """Tokens a front drop must come in (the largest segment alignment)."""
         return max(s.align for s in self.order)
+
+
+def _load_group(group: tuple[Segment, ...], entry: Sequence[Any] | None) -> None:
+    need = sum(s.n_state for s in group)
+    entry = [None] * need if entry is None else list(entry)
+    if len(entry) != need:
+        raise ValueError(f"a nested state entry has {len(entry)} arrays; its segments "
+                         f"({', '.join(s.kind for s in group)}) take {need}")
+    i = 0
+    for s in group:
+        s.load(entry[i:i + s.n_state])
+        i += s.n_state

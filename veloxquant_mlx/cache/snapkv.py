@@ -137,6 +137,7 @@ class SnapKVCache(ks.StoreCapabilities, CompressedCache):
     stores = "top-capacity prompt tokens per KV head + observation window"
     Options = SnapKVOptions
     attends = True
+    evicts = True
     rotatable = True
     meta_fields = ("offset", "batch_size", "window", "capacity", "kernel", "pooling",
                    "compressed", "evicted", "kept")

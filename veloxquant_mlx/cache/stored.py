@@ -22,7 +22,8 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.cache.segments import StoredForm
-from veloxquant_mlx.ops.attention import attend_parts
+from veloxquant_mlx.ops.attention import attend_parts, decodes_at_once
+from veloxquant_mlx.ops.batch_parts import batch_slots
 from veloxquant_mlx.ops.parts import Slot, slot_parts
 
 if TYPE_CHECKING:
@@ -38,10 +39,19 @@ class StoredFormCache(CompressedCache):
     # floats (the CPU is faster without; see docs/cpu-performance.md).
     use_quantized_matmul: ClassVar[bool] = False
     compute_dtype = mx.float32
+    # Attention runs in this dtype (None: the queries').
+    attend_dtype: ClassVar[mx.Dtype | None] = None
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
         self.stored = StoredForm([], [])
+        # Per-head rotations the keys and values are stored in (None: as received):
+        # queries turn like keys, the output and the dense view turn back.
+        self.basis: tuple[mx.array | None, mx.array | None] = (None, None)
+
+    def shared_arrays(self) -> list[mx.array]:
+        """What the cache holds beside its form (a rotation one layer declares)."""
+        return []
 
     # ---- what a method writes ----
     def commit(self) -> None:
@@ -58,10 +68,11 @@ class StoredFormCache(CompressedCache):
 
     # ---- derived from the form ----
     def held_arrays(self) -> list[mx.array]:
-        return self.stored.arrays()
+        return self.stored.arrays() + self.shared_arrays()
 
     def accounted_bytes(self) -> int:
-        return self.stored.accounted(max(self.batch_size, 1), self.layer.n_kv_heads)
+        form = self.stored.accounted(max(self.batch_size, 1), self.layer.n_kv_heads)
+        return form + sum(a.nbytes for a in self.shared_arrays())
 
     @property
     def state(self) -> list[Any]:
@@ -79,15 +90,54 @@ class StoredFormCache(CompressedCache):
     def attention_slots(self) -> tuple[list[Slot], list[Slot]]:
         return self.stored.slots(self.use_quantized_matmul)
 
+    def _turn_in(self, queries: mx.array) -> mx.array:
+        rk = self.basis[0]
+        qr = queries if self.attend_dtype is None else queries.astype(self.attend_dtype)
+        return qr if rk is None else qr @ rk
+
+    def _turn_out(self, out: mx.array, dtype: mx.Dtype) -> mx.array:
+        rv = self.basis[1]
+        return (out if rv is None else out @ rv.T).astype(dtype)
+
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         keys, values = self.attention_slots()
-        out = attend_parts(queries, slot_parts(keys), slot_parts(values), scale, mask)
+        out = attend_parts(self._turn_in(queries), slot_parts(keys), slot_parts(values),
+                           scale, mask)
         self.commit()  # the new tokens were attended in full precision: code them now
-        return out
+        return self._turn_out(out, queries.dtype)
+
+    @classmethod
+    def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
+                    ) -> mx.array | None:
+        """One attention call for one decode query per row (``cache.batch``): the rows'
+        segments padded side by side (``ops.batch_parts``). None when they cannot lie
+        side by side (other classes, options or bases)."""
+        first = rows[0]
+        if any(type(r) is not type(first)
+               or any(a is not b for a, b in zip(r.basis, first.basis)) for r in rows):
+            return None
+        if not decodes_at_once(queries.shape[1], first.layer.n_kv_heads, queries.shape[2]):
+            return None
+        batched = batch_slots([r.attention_slots() for r in rows])
+        if batched is None:
+            return None
+        out = attend_parts(first._turn_in(queries), slot_parts(batched.keys),
+                           slot_parts(batched.values), scale, batched.mask,
+                           batched.value_index)
+        for r in rows:
+            r.commit()
+        return first._turn_out(out, queries.dtype)
 
     def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
-        """Transient dense keys/values: every segment decoded, in token order."""
-        return self.stored.dense_kv(dtype or self.compute_dtype)
+        """Transient dense keys/values: every segment decoded, in token order (and
+        turned back from the stored basis)."""
+        dtype = dtype or self.compute_dtype
+        if all(r is None for r in self.basis):
+            return self.stored.dense_kv(dtype)
+        k, v = self.stored.dense_kv(mx.float32)
+        k, v = ((x if r is None else x @ r.T).astype(dtype)
+                for x, r in zip((k, v), self.basis))
+        return k, v
 
     def is_trimmable(self) -> bool:
         return True

@@ -83,6 +83,7 @@ class StreamingCache(ks.StoreCapabilities, CompressedCache):
     stores = "sink tokens + recent window (fixed size)"
     Options = StreamingOptions
     attends = True
+    evicts = True
     rotatable = True
     meta_fields = ("offset", "batch_size", "sink", "window")
     # Defaults for instances that mlx_lm's ``from_state`` builds without __init__.

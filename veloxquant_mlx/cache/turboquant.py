@@ -33,11 +33,11 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
 from veloxquant_mlx.cache.numerics import StoredNumerics, Stream, cast, code_flips
+from veloxquant_mlx.cache.segments import CodebookCodes, Dense, Segment, StoredForm, TokenCodes
+from veloxquant_mlx.cache.stored import StoredFormCache
 from veloxquant_mlx.ops import codebook as cb
 from veloxquant_mlx.ops import quantize as q
-from veloxquant_mlx.ops.attention import attend_parts
-from veloxquant_mlx.ops.buffers import TokenBuffer, owned
-from veloxquant_mlx.ops.parts import Slot, slot_parts
+from veloxquant_mlx.ops.buffers import owned
 from veloxquant_mlx.ops.rotation import shared_rotation
 from veloxquant_mlx.options import MethodOptions, config_error
 from veloxquant_mlx.register import register
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 
 QUANTIZERS = ("codebook", "affine")
 CODEBOOK_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4)
-STREAMS = ("keys", "values")
 
 
 @dataclass(frozen=True)
@@ -82,49 +81,8 @@ class TurboQuantOptions(MethodOptions):
         self.check_int("seed", minimum=0)
 
 
-class _Codes:
-    """One stream's coded tokens in a growing buffer (codebook or affine form)."""
-
-    def __init__(self, quantizer: str, bits: float, d: int) -> None:
-        self.quantizer, self.bits, self.d = quantizer, bits, d
-        self.buf = TokenBuffer()
-        self.widths = tuple(cb.split_bits(bits, d)) if quantizer == "codebook" else ()
-        # Bytes decode without a gather; caches saved with bit planes load as planes.
-        self.packing = "bytes"
-
-    def append(self, x: mx.array) -> None:
-        if self.quantizer == "codebook":
-            c = cb.encode(x, self.bits, self.packing)
-            self.buf.append(c.arrays)
-        else:
-            self.buf.append(q.quantize(x.astype(mx.float32), int(self.bits), self.d).arrays)
-
-    def load(self, arrays: list[mx.array] | None) -> None:
-        """Adopt saved arrays; a byte-packable width saved as [.., g, bits] is planes."""
-        self.buf.load(arrays)
-        if arrays and self.quantizer == "codebook":
-            planes = any(a.ndim == 5 for a, (_, b) in zip(arrays, self.widths)
-                         if b in cb.BYTE_WIDTHS)
-            self.packing = "planes" if planes else "bytes"
-
-    def slot(self) -> Slot:
-        """What attention reads: the codes as a slot (``ops.attention``)."""
-        used = self.buf.used() or []
-        n = used[0].shape[2] if used else 0
-        if self.quantizer == "codebook":
-            return Slot("coded", used, n, (self.widths, self.packing))
-        return Slot("token", used, n, (int(self.bits), self.d))
-
-    def nbytes(self, tokens: int, batch_heads: int) -> int:
-        if self.quantizer == "codebook":
-            per = cb.coded_bytes(1, self.d, self.bits)
-        else:
-            per = q.quantized_bytes(self.d, int(self.bits), self.d)
-        return batch_heads * tokens * per
-
-
 @register
-class TurboQuantCache(CompressedCache):
+class TurboQuantCache(StoredFormCache):
     """Rotated K/V codes + float16 sinks and recent window."""
 
     method = "turboquant"
@@ -133,6 +91,7 @@ class TurboQuantCache(CompressedCache):
     stores = "rotated K/V: codebook or affine codes + norm scales, fp16 sinks and window"
     Options = TurboQuantOptions
     attends = True
+    attend_dtype = mx.float32
     meta_fields = ("offset", "batch_size")
 
     @classmethod
@@ -178,13 +137,26 @@ class TurboQuantCache(CompressedCache):
                 raise config_error("quantizer", o.quantizer, f"'codebook' for layer "
                                    f"{info.layer_idx}: affine needs {name} in "
                                    f"{list(q.AFFINE_GROUP_SIZES)}, got {d}", self.method)
-        self.codes = {"keys": _Codes(o.quantizer, o.k_bits, info.head_dim),
-                      "values": _Codes(o.quantizer, o.v_bits, info.v_head_dim)}
-        self.sinks: list[mx.array] | None = None  # [keys, values] float16, rotated
-        self.win: list[mx.array] | None = None
-        self.rot_k = shared_rotation(info.head_dim, o.seed) if o.rotate else None
-        self.rot_v = shared_rotation(info.v_head_dim, o.seed) if o.rotate else None
+        # Per side, in token order: float16 sinks, codes, the float16 recent window (all
+        # rotated). Saved as [sinks, window, key codes, value codes], each one nested list.
+        self.sinks = (Dense(), Dense())
+        self.codes = tuple(self._codes(b, d) for b, d in ((o.k_bits, info.head_dim),
+                                                          (o.v_bits, info.v_head_dim)))
+        self.window = (Dense(), Dense())
+        self.stored = StoredForm(
+            [self.sinks[0], self.codes[0], self.window[0]],
+            [self.sinks[1], self.codes[1], self.window[1]],
+            state_order=[self.sinks, self.window, self.codes[:1], self.codes[1:]])
+        if o.rotate:
+            self.basis = (shared_rotation(info.head_dim, o.seed),
+                          shared_rotation(info.v_head_dim, o.seed))
         self.owns_rotation = True  # the builder leaves it to the first layer only
+
+    def _codes(self, bits: float, d: int) -> Segment:
+        if self.opts.quantizer == "codebook":
+            return CodebookCodes(bits, d)
+        # One group per rotated vector; float32 in, so the scales are float32.
+        return TokenCodes(int(bits), d, d, dtype=mx.float32)
 
     @classmethod
     def tune_grid(cls, context: int) -> list[dict[str, Any]]:
@@ -231,124 +203,32 @@ class TurboQuantCache(CompressedCache):
         for i, c in enumerate(caches):
             c.owns_rotation = i == 0
 
-    def _rotations(self) -> list[mx.array]:
+    def shared_arrays(self) -> list[mx.array]:
         if not self.owns_rotation:
             return []
-        return list({id(r): r for r in (self.rot_k, self.rot_v) if r is not None}.values())
+        return list({id(r): r for r in self.basis if r is not None}.values())
 
     # ---- storage ----
-    def _rotate(self, x: mx.array, rot: mx.array | None) -> mx.array:
-        x = x.astype(mx.float32)
-        return x if rot is None else x @ rot
-
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.check_input(keys, values)
-        self._flush()  # a previous step that did not attend leaves its tokens unflushed
-        self.batch_size = keys.shape[0]
-        k = self._rotate(keys, self.rot_k)
-        v = self._rotate(values, self.rot_v)
+        n_sink = max(0, min(self.opts.sink - self.offset, keys.shape[2]))
+        self.begin(keys, values)  # a step that did not attend leaves its tokens uncoded
         wdt = self.window_dtype(mx.float32)
-        n_sink = max(0, min(self.opts.sink - self.offset, k.shape[2]))
-        if n_sink:
-            new = [owned(x[:, :, :n_sink].astype(wdt)) for x in (k, v)]
-            self.sinks = new if self.sinks is None else [
-                mx.concatenate([a, b], axis=2) for a, b in zip(self.sinks, new)]
-            k, v = k[:, :, n_sink:], v[:, :, n_sink:]
-        if k.shape[2]:
-            new = [k.astype(wdt), v.astype(wdt)]
-            self.win = new if self.win is None else [
-                mx.concatenate([a, b], axis=2) for a, b in zip(self.win, new)]
-        self.offset += keys.shape[2]
+        for sink, win, x, r in zip(self.sinks, self.window, (keys, values), self.basis):
+            x = x.astype(mx.float32)
+            x = (x if r is None else x @ r).astype(wdt)
+            if n_sink:  # owned copies: a kept slice would pin the whole chunk
+                sink.append(owned(x[:, :, :n_sink]))
+                x = owned(x[:, :, n_sink:]) if x.shape[2] > n_sink else x[:, :, :0]
+            if x.shape[2]:
+                win.dtype = wdt
+                win.append(x)
         return keys, values
 
-    def _flush(self) -> None:
+    def commit(self) -> None:
         """Code the tokens that have left the window (after they were attended)."""
-        if self.win is None:
-            return
-        n = self.win[0].shape[2] - self.opts.window
+        n = self.window[0].n - self.opts.window
         if n <= 0:
             return
-        for stream, x in zip(STREAMS, self.win):
-            self.codes[stream].append(x[:, :, :n])
-        rest = self.win[0].shape[2] - n
-        # Copies: a kept slice would pin the whole pre-flush window buffer.
-        self.win = [owned(x[:, :, n:]) for x in self.win] if rest else None
-
-    # ---- attention ----
-    def attention_slots(self) -> tuple[list[Slot], list[Slot]]:
-        """Key slots and value slots in token order: sinks, codes, window (rotated)."""
-        out = []
-        for i, stream in enumerate(STREAMS):
-            out.append([Slot("dense", [] if fp is None else [fp[i]],
-                             0 if fp is None else fp[i].shape[2])
-                        for fp in (self.sinks, None, self.win)])
-            out[-1][1] = self.codes[stream].slot()
-        return out[0], out[1]
-
-    def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
-        dt = queries.dtype
-        qr = self._rotate(queries, self.rot_k)
-        keys, values = self.attention_slots()
-        out = attend_parts(qr, slot_parts(keys), slot_parts(values), scale, mask)
-        if self.rot_v is not None:
-            out = out @ self.rot_v.T
-        self._flush()
-        return out.astype(dt)
-
-    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
-        """Transient dense keys/values (decoded, rotated back) for diagnostics."""
-        out = []
-        for i, (stream, rot) in enumerate(zip(STREAMS, (self.rot_k, self.rot_v))):
-            pieces = [] if self.sinks is None else [self.sinks[i].astype(mx.float32)]
-            slot = self.codes[stream].slot()
-            if slot.n:
-                pieces.append(slot.part().dense(0, slot.n, mx.float32))
-            if self.win is not None:
-                pieces.append(self.win[i].astype(mx.float32))
-            x = mx.concatenate(pieces, axis=2)
-            out.append((x if rot is None else x @ rot.T).astype(dtype or mx.float32))
-        return out[0], out[1]
-
-    # ---- accounting ----
-    def held_arrays(self) -> list[mx.array]:
-        out = [*(self.sinks or []), *(self.win or [])]
-        for c in self.codes.values():
-            out.extend(c.buf.arrays or [])
-        return out + self._rotations()
-
-    def accounted_bytes(self) -> int:
-        B, H = max(self.batch_size, 1), self.layer.n_kv_heads
-        fp = sum(a.nbytes for a in (*(self.sinks or []), *(self.win or [])))
-        coded = sum(c.nbytes(c.buf.slots, B * H) for c in self.codes.values())
-        return fp + coded + sum(r.nbytes for r in self._rotations())
-
-    @property
-    def state(self) -> list[Any]:
-        return [self.sinks, self.win, *(c.buf.used() for c in self.codes.values())]
-
-    @state.setter
-    def state(self, v: list[Any]) -> None:
-        self.sinks = list(v[0]) if v[0] else None
-        self.win = list(v[1]) if v[1] else None
-        for c, arrays in zip(self.codes.values(), v[2:4]):
-            c.load(arrays)
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        """Drop the last ``n`` tokens: codes and windows are per token, so it is exact."""
-        n = max(0, min(self.offset, n))
-        keep = self.offset - n
-        n_sink = 0 if self.sinks is None else self.sinks[0].shape[2]
-        n_code = self.codes["keys"].buf.n
-        if keep < n_sink:
-            self.sinks = [owned(x[:, :, :keep]) for x in self.sinks] if keep else None
-        w_keep = max(0, keep - n_sink - n_code)
-        if self.win is not None:
-            self.win = [owned(x[:, :, :w_keep]) for x in self.win] if w_keep else None
-        if keep - n_sink < n_code:
-            for c in self.codes.values():
-                c.buf.truncate(max(0, keep - n_sink))
-        self.offset = keep
-        return n
+        for codes, win in zip(self.codes, self.window):
+            # ``take`` copies the rest: a kept slice would pin the pre-commit buffer.
+            codes.append(win.take(n))

@@ -28,7 +28,7 @@ import mlx.nn as nn
 from veloxquant_mlx.cache.base import LayerInfo, depend_on_state
 from veloxquant_mlx.cache.module_call import below, hook_module, original_class, unhook_module
 from veloxquant_mlx.cache.xquant_generic import X_HOOK, GenericXPath, x_generic_call
-from veloxquant_mlx.errors import UnsupportedModelError
+from veloxquant_mlx.errors import Refusal, UnsupportedModelError
 from veloxquant_mlx.ops.attention import masked_softmax, sdpa
 
 XQUANT_ATTENTION_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
@@ -343,7 +343,7 @@ def install_x_hook(layers: list[LayerInfo], latent: bool = True,
         if info.attention is None:
             raise UnsupportedModelError(
                 f"XQuant cannot hook layer {info.layer_idx}: no attention module updates "
-                "its cache")
+                "its cache", Refusal.UNUSED_SLOT)
         current = getattr(info.attention, "_xquant", None)
         if current is not None and current.latent_requested == latent:
             out[info.layer_idx] = current
@@ -362,7 +362,8 @@ def install_x_hook(layers: list[LayerInfo], latent: bool = True,
         raise UnsupportedModelError(
             f"XQuant cannot rebuild the keys and values of layer(s) {sorted(bad)}: their "
             f"attention ({base.__module__}.{base.__name__}) takes {', '.join(p.extra)} "
-            "besides its input, which the cached input cannot reproduce for earlier tokens")
+            "besides its input, which the cached input cannot reproduce for earlier tokens",
+            Refusal.EXTRA_ARGUMENTS)
     return out
 
 

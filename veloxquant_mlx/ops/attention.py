@@ -167,23 +167,43 @@ def attention_weights(queries: mx.array, keys: mx.array, scale: float,
 
 
 # ------------------------------------------------------------------ attention
+def decodes_at_once(n_query_heads: int, n_kv_heads: int, n_queries: int) -> bool:
+    """Whether :func:`attend_parts` takes its decode path (all scores at once)."""
+    return (n_query_heads // n_kv_heads) * n_queries <= DECODE_ROWS
+
+
 def attend_parts(queries: mx.array, keys: Sequence[Part], values: Sequence[Part],
-                 scale: float, mask: Any = None) -> mx.array:
+                 scale: float, mask: Any = None,
+                 value_index: mx.array | None = None) -> mx.array:
     """Attention of ``queries`` ``[B, Hq, L, D]`` over key parts and value parts that
     each cover the same tokens in order; ``mask`` as mlx_lm passes it. Returns
-    ``[B, Hq, L, Dv]``; a query row with every key masked gets zeros."""
+    ``[B, Hq, L, Dv]``; a query row with every key masked gets zeros. ``value_index``
+    ``[B, S_v]``: value position -> key position (``S``: none), for batches whose key and
+    value layouts differ (``ops.batch_parts``); decode path only."""
     B, Hq, L, D = queries.shape
     H = keys[0].heads
     qr = (queries * scale).reshape(B, H, Hq // H, L, D)
-    if (Hq // H) * L <= DECODE_ROWS:
-        out = _decode(qr, keys, values, mask)
+    if decodes_at_once(Hq, H, L):
+        out = _decode(qr, keys, values, mask, value_index)
+    elif value_index is not None:
+        raise ValueError(f"value_index needs the decode path: {Hq // H} query heads per "
+                         f"KV head x {L} queries > {DECODE_ROWS}")
     else:
         out = _blocked(qr, keys, values, mask)
     return out.reshape(B, Hq, L, -1)
 
 
+def _through(e: mx.array, value_index: mx.array) -> mx.array:
+    """Probabilities ``[B, H, rows, S]`` read at the key position of each value position
+    (a zero column for padding)."""
+    B, H, rows, _ = e.shape
+    e = mx.concatenate([e, mx.zeros((B, H, rows, 1), e.dtype)], axis=-1)
+    idx = mx.broadcast_to(value_index[:, None, None, :], (B, H, rows, value_index.shape[-1]))
+    return mx.take_along_axis(e, idx, axis=-1)
+
+
 def _decode(qr: mx.array, keys: Sequence[Part], values: Sequence[Part],
-            mask: Any) -> mx.array:
+            mask: Any, value_index: mx.array | None = None) -> mx.array:
     B, H, rep, L, D = qr.shape
     rows = rep * L
     qt = qr.reshape(B, H, rows, D).swapaxes(-1, -2)  # [B, H, D, rows]
@@ -196,6 +216,9 @@ def _decode(qr: mx.array, keys: Sequence[Part], values: Sequence[Part],
     e = exp_nonpositive(s - m)
     den = e.sum(axis=-1, keepdims=True)
     e = e.reshape(B, H, rows, S)
+    if value_index is not None:
+        e = _through(e, value_index)
+        S = e.shape[-1]
     out, start = None, 0
     for v in values:
         p = e if v.n == S else e[..., start:start + v.n]

@@ -360,6 +360,7 @@ REASONS: list[tuple[str, str]] = [
     (r"takes (\S+) besides its input", "attention takes per-token arguments"),
     (r"attends over its own compressed form only", "needs attend; layers attend by "
      "themselves"),
+    (r"evicts tokens", "eviction; layers attend by their own code"),
     (r"a pair needs two layers", "one attention layer: no pair to merge"),
     (r"group_size", "group size does not divide a width"),
 ]

@@ -1,0 +1,104 @@
+"""One attention call over a batch: each decode step of a ``BatchedCache`` whose rows lay
+their stored segments side by side gives what each row gives alone.
+
+The reference is the same method's own caches decoding one sequence at a time (the same
+stored form, so the comparison is exact at compressing settings too): a padding,
+masking or key/value layout error in the batched call shows as a difference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from conftest import small_config
+
+from veloxquant_mlx import KVCacheBuilder
+from veloxquant_mlx.cache import stored
+from veloxquant_mlx.cache.base import CompressedCache
+from veloxquant_mlx.cache.batch import BatchedCache
+from veloxquant_mlx.ops import batch_parts
+from veloxquant_mlx.testing.tiny import tiny_model
+
+# Different lengths, so every segment is padded differently per row.
+PROMPTS = [[(i * 13 + 5 * j) % 120 + 1 for i in range(n)] for j, n in enumerate((45, 9, 70))]
+STEPS = [[(7 * s + j) % 120 + 1 for j in range(len(PROMPTS))] for s in range(4)]
+TOLERANCE = 1e-4
+
+
+def _rows(model: Any, method: str, **extra: Any) -> list[list[Any]]:
+    """Per sequence: its caches after its prompt, fed alone."""
+    config = small_config(method, **extra)
+    rows = []
+    for prompt in PROMPTS:
+        caches = KVCacheBuilder.for_model(model, config)
+        mx.eval(model(mx.array([prompt]), cache=caches))
+        rows.append(caches)
+    return rows
+
+
+def _alone(model: Any, rows: list[list[Any]]) -> list[mx.array]:
+    out = []
+    for step in STEPS:
+        logits = [model(mx.array([[t]]), cache=c)[0, -1] for t, c in zip(step, rows)]
+        out.append(mx.stack(logits))
+    return out
+
+
+def _batched(model: Any, rows: list[list[Any]]) -> list[mx.array]:
+    layers = [BatchedCache.merge(list(col)) for col in zip(*rows)]
+    return [model(mx.array([[t] for t in step]), cache=layers)[:, -1] for step in STEPS]
+
+
+def _max_error(model: Any, method: str, **extra: Any) -> float:
+    KVCacheBuilder.detach(model)
+    want = _alone(model, _rows(model, method, **extra))
+    got = _batched(model, _rows(model, method, **extra))
+    KVCacheBuilder.detach(model)
+    return max(mx.abs(g - w).max().item() for g, w in zip(got, want))
+
+
+def test_a_batch_decodes_in_one_call_as_each_row_alone(method: str,
+                                                       monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    model = tiny_model("llama", seed=3)
+    calls = {"at_once": 0}
+    at_once = BatchedCache._attend_at_once
+
+    def counted(self: BatchedCache, queries: mx.array, scale: float) -> Any:
+        out = at_once(self, queries, scale)
+        calls["at_once"] += out is not None
+        return out
+
+    monkeypatch.setattr(BatchedCache, "_attend_at_once", counted)
+    probe = KVCacheBuilder.for_model(model, small_config(method))
+    cls = type(next(c for c in probe if isinstance(c, CompressedCache)))
+    if not cls.supports_batching:
+        pytest.skip(f"{method} refuses batches (tests/test_batch.py checks the refusal)")
+    assert _max_error(model, method) <= TOLERANCE
+    # The rows' class says whether it lays its segments side by side: then every layer of
+    # every decode step took the one-call path.
+    batches = (cls.attend_rows.__func__ is not CompressedCache.attend_rows.__func__
+               or not (cls.attends or cls.hooks_module))  # dense K/V rows: one sdpa
+    want = len(STEPS) * len(probe) if batches else 0
+    assert calls["at_once"] == want, (method, calls, want)
+
+
+def test_the_value_layout_matters_when_keys_and_values_are_cut_apart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # KIVI codes keys in blocks and values one token at a time: rows of different
+    # lengths then have different key and value layouts. Dropping the value index
+    # (reading the values' probabilities at the keys' positions) is visibly wrong.
+    model = tiny_model("llama", seed=3)
+    assert _max_error(model, "kivi") <= TOLERANCE
+    stacked = batch_parts.batch_slots
+
+    def no_index(rows: Any) -> Any:
+        out = stacked(rows)
+        if out is not None and out.value_index is not None:
+            out.value_index = out.value_index * 0 + mx.arange(out.value_index.shape[-1])
+        return out
+
+    monkeypatch.setattr(stored, "batch_slots", no_index)
+    assert _max_error(model, "kivi") > 100 * TOLERANCE
