@@ -19,6 +19,7 @@ import pytest
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.adapter.prefill import prefill
 from veloxquant_mlx.apps.blas import preload_for_pytest
+from veloxquant_mlx.ops import kernels
 from veloxquant_mlx.registry import get_method, methods
 
 # Unit tests import the tiny in-process models from this folder.
@@ -66,6 +67,9 @@ def pytest_configure(config):
     # Re-run pytest with an optimized BLAS preloaded (MLX's Linux CPU wheel bundles the
     # slow reference BLAS); a no-op on macOS and where none is installed.
     preload_for_pytest(config)
+    # One attention path for the whole suite, so no result depends on a timing; the
+    # measured choice and every path are tested in tests/test_kernels.py.
+    os.environ.setdefault(kernels.ENV, "floats")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -188,6 +188,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         matmul_bench.main([])
         return 0
+    if args.kernels or args.calibrate_kernels:
+        from veloxquant_mlx.eval.kernel_table import render
+
+        print(render(calibrate=args.calibrate_kernels))
+        return 0
     from veloxquant_mlx.eval.perplexity import parse_specs
     from veloxquant_mlx.eval.report import write_json
     from veloxquant_mlx.eval.sweep import run_sweep
@@ -353,6 +358,10 @@ def _add_bench_parser(sub: Any) -> None:
     p.add_argument("--out", default="bench-out", help="output folder")
     p.add_argument("--matmul", action="store_true",
                    help="only compare CPU matmul throughput with / without a fast BLAS")
+    p.add_argument("--kernels", action="store_true",
+                   help="only print which attention path each kind of codes takes here")
+    p.add_argument("--calibrate-kernels", action="store_true",
+                   help="measure every attention path now, record the choices, print them")
     add_common_eval_arguments(p)
     p.set_defaults(func=cmd_bench)
 

@@ -16,7 +16,7 @@ no dequantized copy; prefill attends in bounded key blocks (``ops.attention``). 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -70,9 +70,6 @@ class AffineCache(StoredFormCache):
     drops_front = True  # codes are per token: a ring may drop any of the oldest tokens
     meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
     compute_dtype = mx.float32
-    # Multiply on the packed codes (``mx.quantized_matmul``) instead of dequantizing
-    # into a transient first; see the measurements in docs/methods/affine.md.
-    use_quantized_matmul: ClassVar[bool] = False
 
     @classmethod
     def tune_grid(cls, context: int) -> list[dict[str, Any]]:

@@ -18,8 +18,9 @@ parts (``ops.attention``): keys per channel (``ChannelCodes``), values per token
 their scales applied to the probabilities (``TokenCodes``), the residual dense; no
 dequantized copy of the cache is built, prefill attends in bounded key blocks. The
 quantized values live in a buffer written in place (``ops.buffers``), so a decode step
-does not copy them. ``use_quantized_matmul = True`` multiplies the packed codes with
-``mx.quantized_matmul`` instead (slower on the CPU; docs/cpu-performance.md).
+does not copy them. Whether keys and values are multiplied packed
+(``mx.quantized_matmul``; ``transpose=False`` for the per-channel keys stored as K^T) or
+read as floats in bounded blocks is measured per backend (``ops.kernels``).
 """
 
 from __future__ import annotations
@@ -85,8 +86,6 @@ class KIVICache(StoredFormCache):
     rotatable = True
     drops_front = True  # in whole key blocks (``ring_alignment``)
     meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
-    # Attend on the packed codes (mx.quantized_matmul) instead of a dequantized transient.
-    use_quantized_matmul = False
 
     @classmethod
     def tune_grid(cls, context: int) -> list[dict[str, Any]]:

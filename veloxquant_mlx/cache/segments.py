@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from veloxquant_mlx.ops import codebook as cb
+from veloxquant_mlx.ops import kernels
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.buffers import TokenBuffer, owned, without_front
 from veloxquant_mlx.ops.parts import Part, Slot, slot_parts
@@ -57,9 +58,10 @@ class Segment(ABC):
         """Store ``x`` ``[B, H, L, D]`` (full precision) after the held tokens."""
 
     @abstractmethod
-    def slot(self, packed: bool = False) -> Slot:
+    def slot(self, packed: bool | None = None) -> Slot:
         """The held tokens as attention reads them (``ops.parts.Slot``); ``packed``:
-        multiply the codes with ``mx.quantized_matmul`` where the kind can."""
+        multiply the codes with ``mx.quantized_matmul`` where the kind can (None: as
+        ``ops.kernels`` chose for this shape class on this backend)."""
 
     @abstractmethod
     def dense(self, dtype: mx.Dtype) -> mx.array:
@@ -135,7 +137,7 @@ class Dense(Segment):
             self.x = self.x[:, :, n:]
         return head
 
-    def slot(self, packed: bool = False) -> Slot:
+    def slot(self, packed: bool | None = None) -> Slot:
         return Slot("dense", self.arrays(), self.n)
 
     def dense(self, dtype: mx.Dtype) -> mx.array:
@@ -209,7 +211,9 @@ class TokenCodes(_Buffered):
     def codes(self) -> q.Quantized:
         return q.Quantized(*self.buf.used(), self.bits, self.group_size)
 
-    def slot(self, packed: bool = False) -> Slot:
+    def slot(self, packed: bool | None = None) -> Slot:
+        if packed is None:
+            packed = kernels.packed("token", self.bits, self.group_size, self.dim)
         return Slot("token", list(self.buf.used() or []), self.n,
                     (self.bits, self.group_size), packed)
 
@@ -246,7 +250,9 @@ class ChannelCodes(Segment):
         new = q.quantize_tokens(x.astype(mx.float32), self.bits, self.group_size)
         self.qt = new if self.qt is None else q.concat_packed([self.qt, new])
 
-    def slot(self, packed: bool = False) -> Slot:
+    def slot(self, packed: bool | None = None) -> Slot:
+        if packed is None:
+            packed = kernels.packed("channel", self.bits, self.group_size, self.dim)
         return Slot("channel", self.arrays(), self.n, (self.bits, self.group_size), packed)
 
     def dense(self, dtype: mx.Dtype) -> mx.array:
@@ -297,7 +303,7 @@ class CodebookCodes(_Buffered):
     def append(self, x: mx.array) -> None:
         self.buf.append(cb.encode(x, self.bits, self.packing).arrays)
 
-    def slot(self, packed: bool = False) -> Slot:
+    def slot(self, packed: bool | None = None) -> Slot:
         return Slot("coded", list(self.buf.used() or []), self.n,
                     (self.widths, self.packing))
 
@@ -369,11 +375,11 @@ class StoredForm:
                 e.load(entries[i:i + e.n_state])
                 i += e.n_state
 
-    def slots(self, packed: bool = False) -> tuple[list[Slot], list[Slot]]:
+    def slots(self, packed: bool | None = None) -> tuple[list[Slot], list[Slot]]:
         """Key and value slots in token order (empty segments included, ``n == 0``)."""
         return [s.slot(packed) for s in self.keys], [s.slot(packed) for s in self.values]
 
-    def parts(self, packed: bool = False) -> tuple[list[Part], list[Part]]:
+    def parts(self, packed: bool | None = None) -> tuple[list[Part], list[Part]]:
         keys, values = self.slots(packed)
         return slot_parts(keys), slot_parts(values)
 

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.cache.segments import StoredForm
+from veloxquant_mlx.ops import kernels
 from veloxquant_mlx.ops.attention import attend_parts, decodes_at_once
 from veloxquant_mlx.ops.batch_parts import batch_slots
 from veloxquant_mlx.ops.parts import Slot, slot_parts
@@ -35,9 +36,9 @@ class StoredFormCache(CompressedCache):
     """Bytes, state, attention, dense view, trim and ring drops from ``self.stored``."""
 
     attends = True
-    # Multiply packed codes with ``mx.quantized_matmul`` instead of reading them as
-    # floats (the CPU is faster without; see docs/cpu-performance.md).
-    use_quantized_matmul: ClassVar[bool] = False
+    # Multiply packed codes with ``mx.quantized_matmul`` (True) or read them as floats in
+    # bounded blocks (False); None: the path ``ops.kernels`` measured fastest here.
+    use_quantized_matmul: ClassVar[bool | None] = None
     compute_dtype = mx.float32
     # Attention runs in this dtype (None: the queries').
     attend_dtype: ClassVar[mx.Dtype | None] = None
@@ -101,8 +102,7 @@ class StoredFormCache(CompressedCache):
 
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         keys, values = self.attention_slots()
-        out = attend_parts(self._turn_in(queries), slot_parts(keys), slot_parts(values),
-                           scale, mask)
+        out = attend_parts(self._turn_in(queries), _parts(keys), _parts(values), scale, mask)
         self.commit()  # the new tokens were attended in full precision: code them now
         return self._turn_out(out, queries.dtype)
 
@@ -121,9 +121,8 @@ class StoredFormCache(CompressedCache):
         batched = batch_slots([r.attention_slots() for r in rows])
         if batched is None:
             return None
-        out = attend_parts(first._turn_in(queries), slot_parts(batched.keys),
-                           slot_parts(batched.values), scale, batched.mask,
-                           batched.value_index)
+        out = attend_parts(first._turn_in(queries), _parts(batched.keys),
+                           _parts(batched.values), scale, batched.mask, batched.value_index)
         for r in rows:
             r.commit()
         return first._turn_out(out, queries.dtype)
@@ -160,3 +159,13 @@ class StoredFormCache(CompressedCache):
         self.commit()
         self.stored.drop_front(n)
         self.offset -= n
+
+
+def _parts(slots: list[Slot]) -> list[Any]:
+    """Slots as parts; codes read as floats go in blocks of ``kernels.BLOCK`` tokens, so
+    no full-size float copy of a store is built, even transiently."""
+    out = []
+    for s in slots:
+        blocks = [s] if s.kind == "dense" or s.packed else s.blocks(kernels.BLOCK)
+        out += slot_parts(blocks)
+    return out

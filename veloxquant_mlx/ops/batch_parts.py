@@ -20,20 +20,12 @@ import numpy as np
 from veloxquant_mlx.ops.parts import Slot
 
 
-def _token_axes(slot: Slot) -> list[tuple[int, float]]:
-    """Per array of the slot: (token axis, entries per token along it)."""
-    if slot.kind == "channel":  # codes [B, H, D, n * bits / 32]; scales, biases [.., n / g]
-        bits, group = slot.meta
-        return [(-1, bits / 32), (-1, 1 / group), (-1, 1 / group)]
-    return [(2, 1.0)] * len(slot.arrays)
-
-
 def _padded(slot: Slot, n: int, like: Slot) -> list[mx.array]:
     """``slot``'s arrays with zeros after its tokens up to ``n`` (shapes from ``like``
     when the slot is empty)."""
     out = []
     source = slot if slot.n else like
-    for i, (axis, per) in enumerate(_token_axes(like)):
+    for i, (axis, per) in enumerate(like.token_axes()):
         a = source.arrays[i]
         have = round(slot.n * per)
         want = round(n * per)

@@ -311,6 +311,31 @@ class Slot:
     meta: tuple = ()
     packed: bool = False
 
+    def token_axes(self) -> list[tuple[int, float]]:
+        """Per array: (its token axis, entries per token along it)."""
+        if self.kind == "channel":  # codes [B, H, D, n * bits / 32]; scales [.., n / g]
+            bits, group = self.meta
+            return [(-1, bits / 32), (-1, 1 / group), (-1, 1 / group)]
+        return [(2, 1.0)] * len(self.arrays)
+
+    def blocks(self, size: int) -> list[Slot]:
+        """The slot as consecutive slots of at most ``size`` tokens (views; whole groups
+        for per-channel codes), so what attention decodes at once stays bounded."""
+        if self.kind == "channel":
+            size = max(size // self.meta[1], 1) * self.meta[1]
+        if self.n <= size:
+            return [self]
+        out = []
+        for start in range(0, self.n, size):
+            stop = min(self.n, start + size)
+            arrays = []
+            for a, (axis, per) in zip(self.arrays, self.token_axes()):
+                index = [slice(None)] * a.ndim
+                index[axis] = slice(round(start * per), round(stop * per))
+                arrays.append(a[tuple(index)])
+            out.append(Slot(self.kind, arrays, stop - start, self.meta, self.packed))
+        return out
+
     def part(self) -> Part:
         """The slot as a part :func:`attend_parts` reads."""
         a, m = self.arrays, self.meta

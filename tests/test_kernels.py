@@ -1,0 +1,146 @@
+"""The attention path per kind of stored codes (``ops.kernels``): every path gives the
+same attention, the choice is measured and recorded, and the float path never builds a
+full-size float copy of a store."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+from conftest import PROMPT, small_config
+
+from veloxquant_mlx import KVCacheBuilder
+from veloxquant_mlx.cache.stored import StoredFormCache
+from veloxquant_mlx.ops import kernels
+from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops.attention import attend_parts, sdpa
+from veloxquant_mlx.ops.parts import Slot
+from veloxquant_mlx.registry import methods
+from veloxquant_mlx.testing.tiny import tiny_model
+
+B, H, D = 1, 2, 64
+
+
+def _store(kind: str, bits: int, group: int, n: int) -> tuple[Slot, mx.array]:
+    x = mx.random.normal((B, H, n, D), key=mx.random.key(n + bits))
+    if kind == "token":
+        qt = q.quantize(x, bits, group)
+        return Slot(kind, qt.arrays, n, (bits, group)), q.dequantize(qt, mx.float32)
+    qt = q.quantize_tokens(x, bits, group)
+    return Slot(kind, qt.arrays, n, (bits, group)), q.dequantize_tokens(qt, mx.float32)
+
+
+def _parts(slot: Slot, path: str, block: int) -> list:
+    s = Slot(slot.kind, slot.arrays, slot.n, slot.meta, path == "packed")
+    return [b.part() for b in (s.blocks(block) if path == "floats" else [s])]
+
+
+@pytest.mark.parametrize("kind,bits", [("token", 2), ("token", 3), ("token", 4),
+                                       ("token", 8), ("channel", 2), ("channel", 4),
+                                       ("channel", 8)])
+@pytest.mark.parametrize("L", [1, 6])
+def test_every_path_gives_the_same_attention(kind: str, bits: int, L: int) -> None:
+    n = 320  # blocks of 128 leave a partial last block (whole key groups of 32)
+    keys, dk = _store(kind, bits, 32, n)
+    values, dv = _store("token", 4, 32, n)
+    queries = mx.random.normal((B, 2 * H, L, D), key=mx.random.key(7))
+    want = sdpa(queries, dk, dv, D ** -0.5, "causal" if L > 1 else None)
+    for path in kernels.PATHS:
+        # Per-channel codes hold keys (KIVI); the values stay per-token codes.
+        got = attend_parts(queries, _parts(keys, path, 128), _parts(values, path, 128),
+                           D ** -0.5, "causal" if L > 1 else None)
+        assert mx.allclose(got, want, atol=2e-5).item(), (path, mx.abs(got - want).max())
+
+
+def test_blocks_cover_the_slot_in_order() -> None:
+    slot, dense = _store("channel", 4, 32, 320)
+    blocks = slot.blocks(100)  # whole groups: 96 tokens per block
+    assert [b.n for b in blocks] == [96, 96, 96, 32]
+    got = mx.concatenate([b.part().dense(0, b.n, mx.float32) for b in blocks], axis=2)
+    assert mx.array_equal(got, dense).item()
+
+
+@pytest.fixture()
+def fresh_choices(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(kernels.ENV, "auto")
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels, "_MEMO", {})
+    return tmp_path
+
+
+def test_the_choice_is_measured_once_and_recorded(fresh_choices, monkeypatch) -> None:
+    first = kernels.choose("token", 4, 32, 64)
+    assert first.source == "measured" and set(first.ms) == set(kernels.PATHS)
+    assert first.path == min(first.ms, key=first.ms.get)  # the faster one
+    saved = json.loads((fresh_choices / "kernels.json").read_text())
+    (key, entry), = saved.items()
+    assert key.startswith(kernels.device_key()) and entry["path"] == first.path
+    # Another process (a cleared memo) reads the record instead of measuring again.
+    monkeypatch.setattr(kernels, "_MEMO", {})
+    monkeypatch.setattr(kernels, "measure", lambda *a: pytest.fail("measured twice"))
+    again = kernels.choose("token", 4, 32, 64)
+    assert again.source == "recorded" and again.path == first.path
+
+
+def test_a_gpu_backend_defaults_to_the_fused_path(fresh_choices, monkeypatch) -> None:
+    monkeypatch.setattr(kernels, "on_gpu", lambda: True)
+    monkeypatch.setattr(kernels, "measure", lambda *a: pytest.fail("measured on a GPU"))
+    choice = kernels.choose("channel", 2, 32, 128)
+    assert (choice.path, choice.source) == ("packed", "default (not measured)")
+
+
+def test_a_forced_path_and_a_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.ENV, "packed")
+    assert kernels.packed("token", 4, 32, 64)
+    monkeypatch.setenv(kernels.ENV, "fused")
+    with pytest.raises(ValueError, match="VELOXQUANT_KERNELS='fused'.*'auto'"):
+        kernels.choose("token", 4, 32, 64)
+
+
+def _peak_of_attend(slot: Slot, block: int) -> int:
+    values, _ = _store("token", 4, 32, slot.n)
+    queries = mx.random.normal((B, 2 * H, 1, D))
+    mx.eval(queries, values.arrays, slot.arrays)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    out = attend_parts(queries, _parts(slot, "floats", block), _parts(values, "floats", block),
+                       D ** -0.5)
+    mx.eval(out)
+    return mx.get_peak_memory() - base
+
+
+def test_the_float_path_never_builds_a_full_size_copy() -> None:
+    n = 16384
+    slot, _ = _store("token", 4, 32, n)
+    full = 2 * B * H * n * D * 4  # the key and value stores as float32
+    previous = mx.set_cache_limit(0)
+    try:
+        blocked = _peak_of_attend(slot, kernels.BLOCK)
+        whole = _peak_of_attend(slot, n)  # one block: what the path did before
+    finally:
+        mx.set_cache_limit(previous)
+    # Measured: about 0.34 of the stores' float size with blocks of 1024 tokens (MLX
+    # runs a few blocks at once), 1.0 in one block.
+    assert blocked < full / 2, (blocked, full)
+    assert whole > 0.9 * full, (whole, full)  # the bound catches a whole-store transient
+
+
+STORED = [m for m, cls in methods().items() if issubclass(cls, StoredFormCache)]
+
+
+@pytest.mark.parametrize("method", STORED)
+def test_packed_and_float_paths_give_the_same_logits(method: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model("llama", seed=2)
+    tokens = mx.array([PROMPT + PROMPT[:25]])
+    out = {}
+    for path in kernels.PATHS:
+        monkeypatch.setenv(kernels.ENV, path)
+        caches = KVCacheBuilder.for_model(model, small_config(method))
+        logits = [model(tokens[:, :40], cache=caches)[:, -1]]
+        logits += [model(tokens[:, t:t + 1], cache=caches)[:, -1] for t in range(40, 65)]
+        out[path] = mx.concatenate(logits)
+        KVCacheBuilder.detach(model)
+    err = mx.abs(out["packed"] - out["floats"]).max().item()
+    assert err <= 1e-3 * mx.abs(out["floats"]).max().item(), (method, err)

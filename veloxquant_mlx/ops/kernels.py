@@ -1,0 +1,197 @@
+"""Which path attention takes over each kind of stored codes, chosen by measurement.
+
+Per-token affine codes (``"token"``) and per-channel codes (``"channel"``: KIVI's keys
+stored as K^T) can be multiplied two ways:
+
+- ``"packed"``: ``mx.quantized_matmul`` on the packed words (a fused kernel on every
+  backend; ``transpose=False`` for per-channel keys);
+- ``"floats"``: the codes read as float arrays (one per position in a byte), the scales
+  applied to the small scores and probabilities, in token blocks of ``BLOCK`` so the
+  transient stays a block's size whatever the context.
+
+Which is faster depends on the backend, the width and the group (on this Linux CPU build
+either wins somewhere). The choice is made per *shape class* (kind, bits, group size,
+head dim): measured once on first use on the CPU, and cached on disk with the MLX
+version and the device (``~/.cache/veloxquant_mlx/kernels.json``, or
+``$VELOXQUANT_CACHE_DIR``); ``veloxquant bench --calibrate-kernels`` measures every
+class up front and ``--kernels`` prints the table. On a GPU backend the default is the
+fused path without measuring (not measured here: no Apple silicon, and MLX's CUDA wheel
+does not fit the device machine), unless a calibration run on that machine recorded
+otherwise. ``VELOXQUANT_KERNELS=floats|packed`` forces one path everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from veloxquant_mlx.ops import quantize as q
+
+PATHS = ("floats", "packed")
+KINDS = ("token", "channel")
+ENV = "VELOXQUANT_KERNELS"
+CACHE_ENV = "VELOXQUANT_CACHE_DIR"
+BLOCK = 1024  # tokens the float path decodes at once
+MEASURE_TOKENS = 2048  # a store long enough that the kernel, not the call, is timed
+ROWS = 4  # query rows per KV head in the measurement (a decode step of grouped heads)
+HEADS = 4
+# The classes ``--calibrate-kernels`` measures up front (others: on first use).
+DEFAULT_CLASSES = [(kind, bits, group, dim) for kind in KINDS for bits in (2, 4, 8)
+                   for group in (32, 64) for dim in (64, 128)]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The path of one shape class, how it was decided, and the timings (ms)."""
+
+    path: str
+    source: str  # "measured", "recorded", "default (not measured)", "forced"
+    ms: dict[str, float]
+
+
+def device_key() -> str:
+    """What a measurement holds for: the MLX version, the device type, the machine."""
+    return f"mlx-{mx.__version__}-{mx.default_device().type.name}-{platform.machine()}"
+
+
+def on_gpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def _cache_file() -> Path:
+    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "veloxquant_mlx"
+    return Path(root) / "kernels.json"
+
+
+_MEMO: dict[str, Choice] = {}
+
+
+def _class_key(kind: str, bits: int, group: int, dim: int) -> str:
+    return f"{device_key()}/{kind}:{bits}:{group}:{dim}"
+
+
+def _recorded(key: str) -> Choice | None:
+    try:
+        entry = json.loads(_cache_file().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+    if not entry or entry.get("path") not in PATHS:
+        return None
+    return Choice(entry["path"], "recorded", dict(entry.get("ms", {})))
+
+
+def _record(key: str, choice: Choice) -> None:
+    path = _cache_file()
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        data = {}  # an unreadable file is rewritten, never trusted
+    data[key] = {"path": choice.path, "ms": choice.ms}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)  # atomic: concurrent processes never read half a file
+    except OSError:
+        pass  # a read-only home: the choice still holds for this process
+
+
+def forced() -> str | None:
+    """The path ``VELOXQUANT_KERNELS`` forces, or None (``auto``)."""
+    value = os.environ.get(ENV, "auto")
+    if value == "auto":
+        return None
+    if value not in PATHS:
+        raise ValueError(f"{ENV}={value!r}: one of 'auto', {', '.join(map(repr, PATHS))}")
+    return value
+
+
+def choose(kind: str, bits: int, group: int, dim: int) -> Choice:
+    """The path attention takes over codes of this shape class."""
+    force = forced()
+    if force is not None:
+        return Choice(force, "forced", {})
+    key = _class_key(kind, bits, group, dim)
+    if key not in _MEMO:
+        choice = _recorded(key)
+        if choice is None and on_gpu():
+            choice = Choice("packed", "default (not measured)", {})
+        if choice is None:
+            choice = measure(kind, bits, group, dim)
+            _record(key, choice)
+        _MEMO[key] = choice
+    return _MEMO[key]
+
+
+def packed(kind: str, bits: int, group: int, dim: int) -> bool:
+    """Whether codes of this class are multiplied packed (``mx.quantized_matmul``)."""
+    return choose(kind, bits, group, dim).path == "packed"
+
+
+def _parts(kind: str, bits: int, group: int, dim: int) -> dict[str, Any]:
+    from veloxquant_mlx.ops.parts import Slot
+
+    x = mx.random.normal((1, HEADS, MEASURE_TOKENS, dim), key=mx.random.key(0))
+    qt = q.quantize(x, bits, group) if kind == "token" else q.quantize_tokens(x, bits, group)
+    mx.eval(qt.arrays)
+    return {path: [s.part() for s in Slot(kind, qt.arrays, MEASURE_TOKENS, (bits, group),
+                                          path == "packed").blocks(
+                                              BLOCK if path == "floats" else MEASURE_TOKENS)]
+            for path in PATHS}
+
+
+def measure(kind: str, bits: int, group: int, dim: int, repeats: int = 7) -> Choice:
+    """Time both paths on a synthetic store (median of ``repeats``, interleaved): key
+    scores, and the value product for per-token codes (per-channel codes hold keys)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: one of {KINDS}")
+    parts = _parts(kind, bits, group, dim)
+    qt = mx.random.normal((1, HEADS, dim, ROWS), key=mx.random.key(1))
+    p = mx.random.uniform(shape=(1, HEADS, ROWS, MEASURE_TOKENS), key=mx.random.key(2))
+
+    def step(path: str) -> None:
+        outs, start = [], 0
+        for part in parts[path]:
+            outs.append(part.key_scores(qt))
+            if kind == "token":
+                outs.append(part.value_product(p[..., start:start + part.n]))
+            start += part.n
+        mx.eval(outs)
+
+    times: dict[str, list[float]] = {path: [] for path in PATHS}
+    for path in PATHS:
+        step(path)  # compile and warm up
+    for _ in range(repeats):
+        for path in PATHS:
+            t = time.perf_counter()
+            step(path)
+            times[path].append((time.perf_counter() - t) * 1e3)
+    ms = {path: round(statistics.median(v), 4) for path, v in times.items()}
+    return Choice(min(ms, key=ms.get), "measured", ms)
+
+
+def calibrate(classes: list[tuple[str, int, int, int]] | None = None
+              ) -> list[tuple[tuple[str, int, int, int], Choice]]:
+    """Measure every class (default: ``DEFAULT_CLASSES``) now and record the choices."""
+    out = []
+    for cls in classes or DEFAULT_CLASSES:
+        choice = measure(*cls)
+        key = _class_key(*cls)
+        _record(key, choice)
+        _MEMO[key] = choice
+        out.append((cls, choice))
+    return out
+
+
+def table(classes: list[tuple[str, int, int, int]] | None = None
+          ) -> list[tuple[tuple[str, int, int, int], Choice]]:
+    """What each class uses now (measuring the ones not decided yet)."""
+    return [(cls, choose(*cls)) for cls in classes or DEFAULT_CLASSES]
