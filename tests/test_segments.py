@@ -12,7 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from veloxquant_mlx.cache.segments import ChannelCodes, Dense, StoredForm, TokenCodes
+from veloxquant_mlx.cache.segments import (
+    ChannelCodes,
+    Dense,
+    FloatCodes,
+    StoredForm,
+    TokenCodes,
+)
+from veloxquant_mlx.ops import fpcodes as fp
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import attend_parts, sdpa
 
@@ -29,19 +36,22 @@ def _roundtrip(kind: str, x: mx.array) -> mx.array:
         return x
     if kind == "token":
         return q.dequantize(q.quantize(x, 4, 32), mx.float32)
+    if kind == "float":
+        return fp.decode(fp.encode(x, "nvfp4"))
     return q.dequantize_tokens(q.quantize_tokens(x, 4, 32), mx.float32)
 
 
 def _make(kind: str):
     return {"dense": lambda: Dense(mx.float32), "token": lambda: TokenCodes(4, 32, D),
-            "channel": lambda: ChannelCodes(4, 32, D)}[kind]()
+            "channel": lambda: ChannelCodes(4, 32, D),
+            "float": lambda: FloatCodes("nvfp4", D)}[kind]()
 
 
 ops = st.lists(st.tuples(st.sampled_from(["append", "drop", "keep", "reload"]),
                          st.integers(1, 3)), min_size=1, max_size=8)
 
 
-@pytest.mark.parametrize("kind", ["dense", "token", "channel"])
+@pytest.mark.parametrize("kind", ["dense", "token", "channel", "float"])
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(steps=ops)
 def test_a_segment_holds_exactly_its_tokens(kind: str, steps: list[tuple[str, int]]) -> None:

@@ -14,7 +14,8 @@ Kinds: :class:`Dense` (a full-precision run: windows, sinks, residuals),
 :class:`TokenCodes` (per-token affine codes along the head dimension, in a buffer
 written in place), :class:`ChannelCodes` (per-channel codes along the tokens in whole
 groups: KIVI's keys), :class:`CodebookCodes` (per-vector Lloyd-Max codes of rotated
-vectors: TurboQuant). A new quantizer or layout is a new kind here.
+vectors: TurboQuant), :class:`FloatCodes` (microscaled floats, ``nvfp4``). A new
+quantizer or layout is a new kind here.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from veloxquant_mlx.ops import codebook as cb
+from veloxquant_mlx.ops import fpcodes as fp
 from veloxquant_mlx.ops import kernels
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.buffers import TokenBuffer, owned, without_front
@@ -320,6 +322,33 @@ class CodebookCodes(_Buffered):
 
 
 Layout = Sequence["Segment | tuple[Segment, ...]"]
+
+
+class FloatCodes(_Buffered):
+    """Per-token microscaled float codes (``ops.fpcodes``: ``nvfp4``, ``mxfp4``,
+    ``mxfp8``): an 8-bit scale per group of channels, E2M1 / E4M3 values, no biases."""
+
+    kind = "float"
+    n_state = 2
+
+    def __init__(self, mode: str, dim: int) -> None:
+        super().__init__()
+        self.mode, self.dim = mode, dim
+        self.bits, self.group_size = fp.BY_NAME[mode]
+
+    def accounted(self, batch: int, heads: int) -> int:
+        return batch * heads * self.buf.slots * fp.vector_bytes(self.dim, self.mode)
+
+    def append(self, x: mx.array) -> None:
+        self.buf.append(fp.encode(x, self.mode).arrays)
+
+    def slot(self, packed: bool | None = None) -> Slot:
+        if packed is None:
+            packed = kernels.packed("float", self.bits, self.group_size, self.dim)
+        return Slot("float", list(self.buf.used() or []), self.n, (self.mode,), packed)
+
+    def dense(self, dtype: mx.Dtype) -> mx.array:
+        return fp.decode(fp.FPCodes(*self.buf.used(), self.mode), dtype)
 
 
 class StoredForm:

@@ -33,9 +33,17 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
 from veloxquant_mlx.cache.numerics import StoredNumerics, Stream, cast, code_flips
-from veloxquant_mlx.cache.segments import CodebookCodes, Dense, Segment, StoredForm, TokenCodes
+from veloxquant_mlx.cache.segments import (
+    CodebookCodes,
+    Dense,
+    FloatCodes,
+    Segment,
+    StoredForm,
+    TokenCodes,
+)
 from veloxquant_mlx.cache.stored import StoredFormCache
 from veloxquant_mlx.ops import codebook as cb
+from veloxquant_mlx.ops import fpcodes as fp
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.buffers import owned
 from veloxquant_mlx.ops.rotation import shared_rotation
@@ -45,7 +53,8 @@ from veloxquant_mlx.register import register
 if TYPE_CHECKING:
     from veloxquant_mlx.config import KVCacheConfig
 
-QUANTIZERS = ("codebook", "affine")
+QUANTIZERS = ("codebook", "affine", "float")
+FLOAT_MODES = {4: "nvfp4", 8: "mxfp8"}  # bits -> MLX microscaled float mode
 CODEBOOK_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4)
 
 
@@ -54,8 +63,11 @@ class TurboQuantOptions(MethodOptions):
     """TurboQuant-style rotated quantization (https://arxiv.org/abs/2504.19874).
 
     k_bits / v_bits: code width of keys / values (codebook: 1-4 in halves; affine:
-    2, 3, 4, 5, 6, 8); quantizer: ``"codebook"`` (Lloyd-Max, float16 scale per vector)
-    or ``"affine"`` (MLX affine codes, one group per vector); rotate: apply the random
+    2, 3, 4, 5, 6, 8; float: 4 or 8); quantizer: ``"codebook"`` (Lloyd-Max, float16
+    scale per vector), ``"affine"`` (MLX affine codes, one group per vector) or
+    ``"float"`` (MLX microscaled floats: ``nvfp4`` at 4 bits, an E4M3 scale per 16
+    channels; ``mxfp8`` at 8; multiplied fused by ``mx.quantized_matmul`` on every
+    backend); rotate: apply the random
     rotation (off only to measure what it buys); sink: first tokens kept in float16;
     window: most recent tokens kept in float16; seed: of the rotation.
     """
@@ -70,7 +82,8 @@ class TurboQuantOptions(MethodOptions):
 
     def __post_init__(self) -> None:
         self.check_choice("quantizer", QUANTIZERS)
-        allowed = CODEBOOK_BITS if self.quantizer == "codebook" else q.AFFINE_BITS
+        allowed = {"codebook": CODEBOOK_BITS, "affine": q.AFFINE_BITS,
+                   "float": tuple(FLOAT_MODES)}[self.quantizer]
         for name in ("k_bits", "v_bits"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) not in allowed:
                 raise self.error(name, f"one of {list(allowed)} for quantizer="
@@ -116,6 +129,8 @@ class TurboQuantCache(StoredFormCache):
             def code(x: mx.array) -> mx.array:
                 if o.quantizer == "codebook":
                     return cb.decode(cb.encode(x, bits, "bytes"))
+                if o.quantizer == "float":
+                    return fp.decode(fp.encode(x, FLOAT_MODES[int(bits)]))
                 return q.dequantize(q.quantize(x, int(bits), d))
 
             return Stream(rotated(code), keep=o.window, commit="next",
@@ -133,6 +148,10 @@ class TurboQuantCache(StoredFormCache):
                 raise config_error("quantizer", o.quantizer, f"'affine' for layer "
                                    f"{info.layer_idx}: {name}={d} is not a multiple of 8",
                                    self.method)
+            if o.quantizer == "float" and d % 32:
+                raise config_error("quantizer", o.quantizer, f"'codebook' for layer "
+                                   f"{info.layer_idx}: float codes need {name}={d} to be "
+                                   "a multiple of 32", self.method)
             if o.quantizer == "affine" and d not in q.AFFINE_GROUP_SIZES:
                 raise config_error("quantizer", o.quantizer, f"'codebook' for layer "
                                    f"{info.layer_idx}: affine needs {name} in "
@@ -155,6 +174,8 @@ class TurboQuantCache(StoredFormCache):
     def _codes(self, bits: float, d: int) -> Segment:
         if self.opts.quantizer == "codebook":
             return CodebookCodes(bits, d)
+        if self.opts.quantizer == "float":
+            return FloatCodes(FLOAT_MODES[int(bits)], d)
         # One group per rotated vector; float32 in, so the scales are float32.
         return TokenCodes(int(bits), d, d, dtype=mx.float32)
 
@@ -168,6 +189,8 @@ class TurboQuantCache(StoredFormCache):
         grid = [dict(k_bits=k, v_bits=v, window=w) for k, v, w in widths]
         grid += [dict(quantizer="affine", k_bits=k, v_bits=v, window=32)
                  for k, v in ((8, 8), (4, 4), (4, 3), (3, 3), (3, 2), (2, 2))]
+        grid += [dict(quantizer="float", k_bits=k, v_bits=v, window=32)
+                 for k, v in ((8, 8), (8, 4), (4, 4))]
         return grid
 
     @classmethod

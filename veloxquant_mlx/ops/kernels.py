@@ -1,7 +1,8 @@
 """Which path attention takes over each kind of stored codes, chosen by measurement.
 
-Per-token affine codes (``"token"``) and per-channel codes (``"channel"``: KIVI's keys
-stored as K^T) can be multiplied two ways:
+Per-token affine codes (``"token"``), per-channel codes (``"channel"``: KIVI's keys
+stored as K^T) and microscaled float codes (``"float"``: ``nvfp4`` and friends,
+``ops.fpcodes``) can be multiplied two ways:
 
 - ``"packed"``: ``mx.quantized_matmul`` on the packed words (a fused kernel on every
   backend; ``transpose=False`` for per-channel keys);
@@ -33,10 +34,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from veloxquant_mlx.ops import fpcodes as fp
 from veloxquant_mlx.ops import quantize as q
 
 PATHS = ("floats", "packed")
-KINDS = ("token", "channel")
+KINDS = ("token", "channel", "float")
 ENV = "VELOXQUANT_KERNELS"
 CACHE_ENV = "VELOXQUANT_CACHE_DIR"
 BLOCK = 1024  # tokens the float path decodes at once
@@ -44,8 +46,10 @@ MEASURE_TOKENS = 2048  # a store long enough that the kernel, not the call, is t
 ROWS = 4  # query rows per KV head in the measurement (a decode step of grouped heads)
 HEADS = 4
 # The classes ``--calibrate-kernels`` measures up front (others: on first use).
-DEFAULT_CLASSES = [(kind, bits, group, dim) for kind in KINDS for bits in (2, 4, 8)
-                   for group in (32, 64) for dim in (64, 128)]
+DEFAULT_CLASSES = [(kind, bits, group, dim) for kind in ("token", "channel")
+                   for bits in (2, 4, 8) for group in (32, 64) for dim in (64, 128)]
+DEFAULT_CLASSES += [("float", bits, group, dim) for bits, group in fp.MODES
+                    for dim in (64, 128)]
 
 
 @dataclass(frozen=True)
@@ -140,12 +144,18 @@ def _parts(kind: str, bits: int, group: int, dim: int) -> dict[str, Any]:
     from veloxquant_mlx.ops.parts import Slot
 
     x = mx.random.normal((1, HEADS, MEASURE_TOKENS, dim), key=mx.random.key(0))
-    qt = q.quantize(x, bits, group) if kind == "token" else q.quantize_tokens(x, bits, group)
-    mx.eval(qt.arrays)
-    return {path: [s.part() for s in Slot(kind, qt.arrays, MEASURE_TOKENS, (bits, group),
-                                          path == "packed").blocks(
-                                              BLOCK if path == "floats" else MEASURE_TOKENS)]
-            for path in PATHS}
+    if kind == "float":
+        mode = fp.MODES[bits, group]
+        arrays, meta = fp.encode(x, mode).arrays, (mode,)
+    else:
+        quantize = q.quantize if kind == "token" else q.quantize_tokens
+        arrays, meta = quantize(x, bits, group).arrays, (bits, group)
+    mx.eval(arrays)
+    out = {}
+    for path in PATHS:
+        slot = Slot(kind, arrays, MEASURE_TOKENS, meta, path == "packed")
+        out[path] = [s.part() for s in (slot.blocks(BLOCK) if path == "floats" else [slot])]
+    return out
 
 
 def measure(kind: str, bits: int, group: int, dim: int, repeats: int = 7) -> Choice:
@@ -161,7 +171,7 @@ def measure(kind: str, bits: int, group: int, dim: int, repeats: int = 7) -> Cho
         outs, start = [], 0
         for part in parts[path]:
             outs.append(part.key_scores(qt))
-            if kind == "token":
+            if kind != "channel":
                 outs.append(part.value_product(p[..., start:start + part.n]))
             start += part.n
         mx.eval(outs)

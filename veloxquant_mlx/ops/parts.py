@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from veloxquant_mlx.ops import codebook as cb
+from veloxquant_mlx.ops import fpcodes as fp
 from veloxquant_mlx.ops import quantize as q
 
 
@@ -283,6 +284,33 @@ class PackedCodes:
         return []
 
 
+class FloatCodes:
+    """Per-token microscaled float codes (``ops.fpcodes``): multiplied fused on the codes
+    (``packed``) or decoded to floats first (the slot's blocks bound the transient)."""
+
+    def __init__(self, c: fp.FPCodes, packed: bool) -> None:
+        self.c, self.packed = c, packed
+        self.n, self.heads = c.codes.shape[2], c.codes.shape[1]
+
+    def key_scores(self, qt: mx.array) -> mx.array:
+        if self.packed:
+            return fp.matmul(qt.swapaxes(-1, -2), self.c, True).swapaxes(-1, -2)
+        return fp.decode(self.c, qt.dtype) @ qt
+
+    def value_product(self, p: mx.array) -> mx.array:
+        if self.packed:
+            return fp.matmul(p, self.c, False)
+        return p @ fp.decode(self.c, p.dtype)
+
+    def dense(self, start: int, stop: int, dtype: mx.Dtype) -> mx.array:
+        part = self.c if (start, stop) == (0, self.n) else fp.FPCodes(
+            self.c.codes[:, :, start:stop], self.c.scales[:, :, start:stop], self.c.mode)
+        return fp.decode(part, dtype)
+
+    def floats(self) -> list[mx.array]:
+        return [] if self.packed else [fp.decode(self.c)]
+
+
 def as_part(x: Any, quantized_matmul: bool = False) -> Any:
     """An array, per-token ``Quantized`` codes or a part, as a part."""
     if isinstance(x, q.Quantized):
@@ -299,7 +327,8 @@ class Slot:
 
     ``kind``: ``"dense"`` (one array ``[B, H, n, D]``), ``"token"`` (per-token
     ``Quantized`` codes, scales, biases; ``meta`` = bits, group size), ``"coded"``
-    (codebook parts then scales; ``meta`` = widths, packing) or ``"channel"`` (per-channel
+    (codebook parts then scales; ``meta`` = widths, packing), ``"float"`` (microscaled
+    float codes and scales; ``meta`` = the MLX mode) or ``"channel"`` (per-channel
     ``Quantized`` codes along the tokens, ``[B, H, D, n * bits / 32]``; ``meta`` = bits,
     group size). ``n == 0``: the sequence has nothing there yet (``arrays`` empty).
     ``packed``: multiply the codes with ``mx.quantized_matmul``.
@@ -343,6 +372,8 @@ class Slot:
             return DensePart(a[0])
         if self.kind == "coded":
             return coded_part(cb.Coded(a[:-1], a[-1], *m))
+        if self.kind == "float":
+            return FloatCodes(fp.FPCodes(a[0], a[1], m[0]), self.packed)
         qt = q.Quantized(*a, *m)
         if self.kind == "channel":
             return ChannelCodes(qt, self.packed)
