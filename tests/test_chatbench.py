@@ -1,0 +1,54 @@
+"""The chat benchmark's client side against a stand-in server on 127.0.0.1: every turn
+resends the whole history with the previous answers, and the table reads per turn."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from veloxquant_mlx.eval import chatbench
+
+
+class _Echo(BaseHTTPRequestHandler):
+    seen: list = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.seen.append(body["messages"])
+        answer = f"answer-{len(body['messages'])}"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for piece in (answer[:3], answer[3:]):
+            event = {"choices": [{"delta": {"content": piece}}]}
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+        usage = {"choices": [{"delta": {}, "finish_reason": "stop"}],
+                 "usage": {"completion_tokens": 2}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_each_turn_resends_the_history_with_the_answers() -> None:
+    _Echo.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = chatbench.ChatConfig(conversations=3, turns=3, system_words=5, user_words=4)
+        turns, wall = chatbench.run_chats(server.server_address[1], cfg)
+    finally:
+        server.shutdown()
+    assert len(turns) == 9 and all(t.ok and t.tokens == 2 for t in turns)
+    # Turn t of a conversation sends the system prompt, t + 1 user messages and the t
+    # answers the server gave before, in order.
+    longest = max(_Echo.seen, key=len)
+    assert [m["role"] for m in longest] == ["system", "user", "assistant", "user",
+                                            "assistant", "user"]
+    assert longest[2]["content"] == "answer-2" and longest[4]["content"] == "answer-4"
+    assert len({m[0]["content"] for m in _Echo.seen}) == 1  # one shared system prompt
+    row = chatbench.summarize("stand-in", turns, wall, None)
+    assert sorted(row["by_turn"]) == [0, 1, 2] and row["failed"] == 0
+    table = chatbench.markdown([{**row, "server": chatbench.REFERENCE}, row])
+    assert table.count("| stand-in | 3 |") == 1 and "1.00" in table

@@ -1,0 +1,252 @@
+"""Chat benchmark: conversations whose every turn resends the whole history.
+
+``N`` conversations of ``T`` turns run at once against a server on 127.0.0.1: each starts
+with the same system prompt, each turn adds a short user message and the answer of the
+previous turn (what a chat client sends back), so histories grow and a server that
+reuses finished caches prefills only what is new. For every turn index: time to first
+token and turn latency (p50 / p95 over the conversations); over the run: completion
+tokens per second, the KV bytes the server holds (``veloxquant serve``: the allocator's
+reading, ``/limits``) and the conversations it keeps warm. Each ``veloxquant serve``
+method runs beside ``mlx_lm.server`` (dense caches and its own prompt cache) on the same
+model, one server after the other. Bounded: every request has a timeout, the run a
+deadline.
+
+    python -m veloxquant_mlx.eval.chatbench --method kivi:bits=4 --method none \\
+        --conversations 8 --turns 4 --plot chat.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from veloxquant_mlx.eval.loadtest import ENGLISH, ServerProcess, get_json, percentile, words
+from veloxquant_mlx.eval.serverbench import MlxLmServer, model_folder
+
+REFERENCE = "mlx_lm.server"
+
+
+@dataclass
+class Turn:
+    conversation: int
+    index: int
+    ttft_s: float | None
+    latency_s: float
+    tokens: int
+    prompt_chars: int
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class ChatConfig:
+    conversations: int = 8
+    turns: int = 4
+    system_words: int = 400
+    user_words: int = 30
+    max_tokens: int = 32
+    timeout: float = 600.0
+    deadline: float = 3600.0
+    extra: list[str] = field(default_factory=list)  # more ``veloxquant serve`` flags
+
+
+def stream_turn(port: int, messages: list[dict[str, str]], max_tokens: int,
+                timeout: float) -> tuple[float | None, int, str, str]:
+    """One streamed chat request: ``(ttft, completion tokens, content, error)``."""
+    body = {"messages": messages, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0.0, "stream_options": {"include_usage": True}}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0, ttft, tokens, text = time.perf_counter(), None, 0, []
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return None, 0, "", f"HTTP {resp.status}: {resp.read()[:200]!r}"
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            event = json.loads(line[5:])
+            tokens = int((event.get("usage") or {}).get("completion_tokens", tokens))
+            piece = ((event.get("choices") or [{}])[0].get("delta") or {}).get("content")
+            if piece:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                text.append(piece)
+        return ttft, tokens, "".join(text), ""
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        return ttft, tokens, "".join(text), f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+
+
+def _conversation(port: int, i: int, cfg: ChatConfig, system: str, end: float,
+                  out: list[Turn]) -> None:
+    messages = [{"role": "system", "content": system}]
+    for t in range(cfg.turns):
+        if time.monotonic() > end:
+            return
+        messages.append({"role": "user", "content": words(cfg.user_words, ENGLISH,
+                                                           seed=1000 * i + t + 1)})
+        t0 = time.perf_counter()
+        ttft, tokens, text, error = stream_turn(port, messages, cfg.max_tokens, cfg.timeout)
+        out.append(Turn(i, t, ttft, time.perf_counter() - t0, tokens,
+                        sum(len(m["content"]) for m in messages), not error and tokens > 0,
+                        error))
+        if error:
+            return
+        messages.append({"role": "assistant", "content": text})
+
+
+def run_chats(port: int, cfg: ChatConfig) -> tuple[list[Turn], float]:
+    """Every conversation in its own thread; the turns and the wall time."""
+    system = "You are a helpful assistant. Context: " + words(cfg.system_words, ENGLISH)
+    end = time.monotonic() + cfg.deadline
+    turns: list[Turn] = []
+    threads = [threading.Thread(target=_conversation, args=(port, i, cfg, system, end, turns))
+               for i in range(cfg.conversations)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return turns, time.perf_counter() - t0
+
+
+def summarize(label: str, turns: Sequence[Turn], wall: float, limits: dict | None
+              ) -> dict[str, Any]:
+    ok = [t for t in turns if t.ok]
+    by_turn = {}
+    for index in sorted({t.index for t in ok}):
+        lat = [t.latency_s for t in ok if t.index == index]
+        ttft = [t.ttft_s for t in ok if t.index == index and t.ttft_s is not None]
+        by_turn[index] = {"latency_p50_s": percentile(lat, 0.5),
+                          "latency_p95_s": percentile(lat, 0.95),
+                          "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95)}
+    return {"server": label, "ok": len(ok), "failed": len(turns) - len(ok),
+            "errors": sorted({t.detail for t in turns if t.detail})[:5],
+            "wall_s": wall, "tokens_per_s": sum(t.tokens for t in ok) / wall if wall else 0.0,
+            "by_turn": by_turn, "limits": limits}
+
+
+def _limits(server: ServerProcess) -> dict | None:
+    try:
+        return get_json(server.port, "/limits")[1]
+    except (OSError, ValueError):
+        return None
+
+
+def bench(methods: Sequence[str], cfg: ChatConfig, max_kv_memory: str,
+          log_dir: Path | None = None) -> list[dict[str, Any]]:
+    """``mlx_lm.server`` first, then ``veloxquant serve`` per method."""
+    model = model_folder()
+    servers: list[tuple[str, ServerProcess]] = [
+        (REFERENCE, MlxLmServer(model, log_path=log_dir and log_dir / "mlx_lm.log"))]
+    for m in methods:
+        log = log_dir and log_dir / f"serve-{m.replace(':', '_').replace(',', '_')}.log"
+        servers.append((m, ServerProcess(m, max_kv_memory, model=model, extra=cfg.extra,
+                                         log_path=log)))
+    rows = []
+    for label, server in servers:
+        with server:
+            turns, wall = run_chats(server.port, cfg)
+            rows.append(summarize(label, turns, wall,
+                                  None if label == REFERENCE else _limits(server)))
+    return rows
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    base = next((r for r in rows if r["server"] == REFERENCE), None)
+    out = ["| server | turn | TTFT p50 s | TTFT p95 s | latency p50 s | latency p95 s "
+           "| latency p50 vs mlx_lm.server |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        for index, t in r["by_turn"].items():
+            ref = base and base["by_turn"].get(index, {}).get("latency_p50_s")
+            ratio = t["latency_p50_s"] / ref if ref and t["latency_p50_s"] else None
+            out.append(f"| {r['server']} | {index + 1} | {_f(t['ttft_p50_s'])} | "
+                       f"{_f(t['ttft_p95_s'])} | {_f(t['latency_p50_s'])} | "
+                       f"{_f(t['latency_p95_s'])} | {_f(ratio)} |")
+    out += ["", "| server | ok / failed | tokens/s | vs mlx_lm.server | wall s |",
+            "|---|---|---:|---:|---:|"]
+    for r in rows:
+        ratio = r["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] \
+            else None
+        out.append(f"| {r['server']} | {r['ok']} / {r['failed']} | {r['tokens_per_s']:.2f} "
+                   f"| {_f(ratio)} | {r['wall_s']:.0f} |")
+    return "\n".join(out)
+
+
+def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        idx = sorted(r["by_turn"])
+        ax.plot([i + 1 for i in idx], [r["by_turn"][i]["latency_p50_s"] for i in idx],
+                marker="o", label=r["server"])
+    ax.set_xlabel("turn")
+    ax.set_ylabel("turn latency p50 (s)")
+    ax.set_title("Chat turns: whole history resent each turn")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m veloxquant_mlx.eval.chatbench",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--method", action="append", default=None,
+                   help="method for veloxquant serve (repeatable; default kivi:bits=4)")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-words", type=int, default=400)
+    p.add_argument("--user-words", type=int, default=30)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-kv-memory", default="2GB")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="extra flag for veloxquant serve, e.g. --serve-arg=--prompt-cache-size=16")
+    p.add_argument("--deadline", type=float, default=3600.0, help="seconds per server")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--log-dir", default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    for name in ("conversations", "turns", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}: an "
+                             "integer >= 1")
+    cfg = ChatConfig(args.conversations, args.turns, args.system_words, args.user_words,
+                     args.max_tokens, deadline=args.deadline, extra=args.serve_arg)
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    rows = bench(args.method or ["kivi:bits=4"], cfg, args.max_kv_memory, log_dir)
+    print(markdown(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    if args.plot:
+        plot(rows, args.plot)
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
