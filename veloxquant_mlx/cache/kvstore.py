@@ -5,8 +5,8 @@ are held, so the two stack: ``snapkv:capacity=512,store=codebook,k_bits=3,v_bits
 
 - ``"dense"``: the window dtype (float16 by default), as the methods always did;
 - ``"affine"``: MLX affine codes per token, in groups of ``group_size`` channels
-  (``ops.quantize``); attention multiplies them without a dequantized copy where it
-  can (``ops.attention.split_attention``);
+  (the ``TokenCodes`` segment kind as a codec); attention multiplies them packed or
+  reads them as floats in blocks, as ``ops.kernels`` chose;
 - ``"codebook"``: TurboQuant's Lloyd-Max codes of rotated vectors with a float16 norm
   per vector (``ops.codebook``), 1-4 bits in halves. The codes assume rotated vectors,
   so the builder rotates a cache with this store (``cache.rotated``).
@@ -22,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache.segments import CodebookCodes, TokenCodes
 from veloxquant_mlx.ops import codebook as cb
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.buffers import TokenBuffer, owned
@@ -78,18 +79,18 @@ def make_store(opts: Any, k_dim: int, v_dim: int, dtype: mx.Dtype, where: str
 
 
 class TokenStore:
-    """The stored form of keys (``k_dim`` wide) and values (``v_dim`` wide)."""
+    """The stored form of keys (``k_dim`` wide) and values (``v_dim`` wide): the dense
+    window dtype, or one per-token segment kind per side used as a codec
+    (``cache.segments``: affine ``TokenCodes``, ``CodebookCodes`` in bit planes)."""
 
     def __init__(self, kind: str, k_bits: float, v_bits: float, group_size: int,
                  k_dim: int, v_dim: int, dtype: mx.Dtype) -> None:
         self.kind, self.dtype, self.group_size = kind, dtype, group_size
         self.bits = (k_bits, v_bits)
         self.dims = (k_dim, v_dim)
-        if kind == "codebook":
-            self.widths = [tuple(cb.split_bits(b, d)) for b, d in zip(self.bits, self.dims)]
-        per = {"dense": [1, 1], "affine": [3, 3],
-               "codebook": [len(w) + 1 for w in getattr(self, "widths", [(), ()])]}
-        self.n_k = per[kind][0]  # arrays of the keys in a block
+        self.codecs = None if kind == "dense" else [
+            _codec(kind, b, group_size, d) for b, d in zip(self.bits, self.dims)]
+        self.n_k = 1 if self.codecs is None else self.codecs[0].n_state  # keys' arrays
 
     @property
     def quantized(self) -> bool:
@@ -97,50 +98,39 @@ class TokenStore:
 
     def encode(self, keys: mx.array, values: mx.array) -> Block:
         """``[B, H, T, D]`` keys and values in the stored form."""
-        if self.kind == "dense":
+        if self.codecs is None:
             return [keys.astype(self.dtype), values.astype(self.dtype)]
-        out: Block = []
-        for x, bits in zip((keys, values), self.bits):
-            x = x.astype(mx.float32)
-            if self.kind == "affine":
-                out.extend(q.quantize(x, int(bits), self.group_size).arrays)
-            else:
-                out.extend(cb.encode(x, bits).arrays)
-        return out
+        return [*self.codecs[0].encode(keys), *self.codecs[1].encode(values)]
 
     def _split(self, block: Block) -> tuple[Block, Block]:
         return block[:self.n_k], block[self.n_k:]
 
     def parts(self, block: Block, dtype: mx.Dtype) -> tuple[Any, Any]:
-        """Keys and values as ``split_attention`` takes them (affine codes stay packed)."""
-        out = []
-        for i, arrays in enumerate(self._split(block)):
-            if self.kind == "dense":
-                out.append(arrays[0])
-            elif self.kind == "affine":
-                out.append(q.Quantized(*arrays, int(self.bits[i]), self.group_size))
-            else:
-                out.append(cb.decode(cb.Coded(arrays[:-1], arrays[-1], self.widths[i]),
-                                     dtype))
-        return out[0], out[1]
+        """Keys and values as ``split_attention`` takes them: arrays, or parts that
+        attention multiplies without a dequantized copy of the block."""
+        if self.codecs is None:
+            return block[0], block[1]
+        k, v = (c.slot_of(arrays).part() for c, arrays in zip(self.codecs, self._split(block)))
+        return k, v
 
     def decode(self, block: Block, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """A transient dense copy of the block's keys and values."""
+        if self.codecs is None:
+            return block[0].astype(dtype), block[1].astype(dtype)
         k, v = self.parts(block, dtype)
-        return tuple(q.dequantize(x, dtype) if isinstance(x, q.Quantized) else x.astype(dtype)
-                     for x in (k, v))
+        return k.dense(0, k.n, dtype), v.dense(0, v.n, dtype)
 
     def token_bytes(self) -> int:
         """Bytes of one token of one head (keys and values)."""
-        total = 0
-        for bits, d in zip(self.bits, self.dims):
-            if self.kind == "dense":
-                total += d * self.dtype.size
-            elif self.kind == "affine":
-                total += q.quantized_bytes(d, int(bits), self.group_size)
-            else:
-                total += cb.coded_bytes(1, d, bits)
-        return total
+        if self.codecs is None:
+            return sum(self.dims) * self.dtype.size
+        return sum(c.token_bytes() for c in self.codecs)
+
+
+def _codec(kind: str, bits: float, group_size: int, dim: int) -> CodebookCodes | TokenCodes:
+    if kind == "affine":
+        return TokenCodes(int(bits), group_size, dim, dtype=mx.float32)
+    return CodebookCodes(bits, dim, packing="planes")  # the layout of caches saved so far
 
 
 # What a cache holds before it has any options (mlx_lm's ``from_state`` skips __init__);

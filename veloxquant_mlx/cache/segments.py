@@ -161,10 +161,39 @@ class Dense(Segment):
 
 class _Buffered(Segment):
     """Per-token arrays in a buffer written in place (a reserve of about 3% of the
-    tokens, counted)."""
+    tokens, counted). A per-token kind is also a codec without state: ``encode`` gives
+    a chunk's stored arrays, ``slot_of`` reads such arrays back, ``token_bytes`` prices a
+    token (what eviction stores use, ``cache.kvstore``)."""
 
     def __init__(self) -> None:
         self.buf = TokenBuffer()
+
+    @abstractmethod
+    def encode(self, x: mx.array) -> list[mx.array]:
+        """``x`` ``[B, H, L, D]`` in the stored form: arrays with the token on axis 2."""
+
+    @abstractmethod
+    def slot_of(self, arrays: list[mx.array]) -> Slot:
+        """Arrays ``encode`` gave (any tokens of them) as a slot."""
+
+    @abstractmethod
+    def token_bytes(self) -> int:
+        """Bytes of one token of one head."""
+
+    def append(self, x: mx.array) -> None:
+        self.buf.append(self.encode(x))
+
+    def accounted(self, batch: int, heads: int) -> int:
+        return batch * heads * self.buf.slots * self.token_bytes()
+
+    def slot(self, packed: bool | None = None) -> Slot:
+        slot = self.slot_of(list(self.buf.used() or []))
+        if packed is None or packed == slot.packed:
+            return slot
+        return Slot(slot.kind, slot.arrays, slot.n, slot.meta, packed)
+
+    def dense(self, dtype: mx.Dtype) -> mx.array:
+        return self.slot_of(self.buf.used()).part().dense(0, self.n, dtype)
 
     @property
     def n(self) -> int:
@@ -202,22 +231,20 @@ class TokenCodes(_Buffered):
         super().__init__()
         self.bits, self.group_size, self.dim, self.dtype = bits, group_size, dim, dtype
 
-    def accounted(self, batch: int, heads: int) -> int:
-        per_token = q.quantized_bytes(self.dim, self.bits, self.group_size)
-        return batch * heads * self.buf.slots * per_token
-
-    def append(self, x: mx.array) -> None:
+    def encode(self, x: mx.array) -> list[mx.array]:
         x = x if self.dtype is None else x.astype(self.dtype)
-        self.buf.append(q.quantize(x, self.bits, self.group_size).arrays)
+        return q.quantize(x, self.bits, self.group_size).arrays
+
+    def token_bytes(self) -> int:
+        return q.quantized_bytes(self.dim, self.bits, self.group_size)
+
+    def slot_of(self, arrays: list[mx.array]) -> Slot:
+        n = arrays[0].shape[2] if arrays else 0
+        packed = kernels.packed("token", self.bits, self.group_size, self.dim)
+        return Slot("token", arrays, n, (self.bits, self.group_size), packed)
 
     def codes(self) -> q.Quantized:
         return q.Quantized(*self.buf.used(), self.bits, self.group_size)
-
-    def slot(self, packed: bool | None = None) -> Slot:
-        if packed is None:
-            packed = kernels.packed("token", self.bits, self.group_size, self.dim)
-        return Slot("token", list(self.buf.used() or []), self.n,
-                    (self.bits, self.group_size), packed)
 
     def dense(self, dtype: mx.Dtype) -> mx.array:
         return q.dequantize(self.codes(), dtype)
@@ -288,30 +315,26 @@ class ChannelCodes(Segment):
 class CodebookCodes(_Buffered):
     """Per-vector Lloyd-Max codes of rotated vectors (``ops.codebook``): a float16 scale
     per vector and ``bits`` per channel (fractional widths split the channels), packed
-    in bytes where the width allows (bit planes in caches saved that way)."""
+    in bytes where the width allows (``packing``; bit planes in caches saved that way)."""
 
     kind = "coded"
 
-    def __init__(self, bits: float, dim: int) -> None:
+    def __init__(self, bits: float, dim: int, packing: str = "bytes") -> None:
         super().__init__()
         self.bits, self.dim = bits, dim
         self.widths = tuple(cb.split_bits(bits, dim))
         self.n_state = len(self.widths) + 1
-        self.packing = "bytes"  # decodes without a gather
+        self.packing = packing
 
-    def accounted(self, batch: int, heads: int) -> int:
-        return batch * heads * cb.coded_bytes(self.buf.slots, self.dim, self.bits)
+    def encode(self, x: mx.array) -> list[mx.array]:
+        return cb.encode(x, self.bits, self.packing).arrays
 
-    def append(self, x: mx.array) -> None:
-        self.buf.append(cb.encode(x, self.bits, self.packing).arrays)
+    def token_bytes(self) -> int:
+        return cb.coded_bytes(1, self.dim, self.bits)
 
-    def slot(self, packed: bool | None = None) -> Slot:
-        return Slot("coded", list(self.buf.used() or []), self.n,
-                    (self.widths, self.packing))
-
-    def dense(self, dtype: mx.Dtype) -> mx.array:
-        used = self.buf.used()
-        return cb.decode(cb.Coded(used[:-1], used[-1], self.widths, self.packing), dtype)
+    def slot_of(self, arrays: list[mx.array]) -> Slot:
+        n = arrays[0].shape[2] if arrays else 0
+        return Slot("coded", arrays, n, (self.widths, self.packing))
 
     def load(self, entries: Sequence[mx.array | None]) -> None:
         super().load(entries)
@@ -319,9 +342,6 @@ class CodebookCodes(_Buffered):
             planes = any(a.ndim == 5 for a, (_, b) in zip(entries, self.widths)
                          if b in cb.BYTE_WIDTHS)
             self.packing = "planes" if planes else "bytes"
-
-
-Layout = Sequence["Segment | tuple[Segment, ...]"]
 
 
 class FloatCodes(_Buffered):
@@ -336,19 +356,19 @@ class FloatCodes(_Buffered):
         self.mode, self.dim = mode, dim
         self.bits, self.group_size = fp.BY_NAME[mode]
 
-    def accounted(self, batch: int, heads: int) -> int:
-        return batch * heads * self.buf.slots * fp.vector_bytes(self.dim, self.mode)
+    def encode(self, x: mx.array) -> list[mx.array]:
+        return fp.encode(x, self.mode).arrays
 
-    def append(self, x: mx.array) -> None:
-        self.buf.append(fp.encode(x, self.mode).arrays)
+    def token_bytes(self) -> int:
+        return fp.vector_bytes(self.dim, self.mode)
 
-    def slot(self, packed: bool | None = None) -> Slot:
-        if packed is None:
-            packed = kernels.packed("float", self.bits, self.group_size, self.dim)
-        return Slot("float", list(self.buf.used() or []), self.n, (self.mode,), packed)
+    def slot_of(self, arrays: list[mx.array]) -> Slot:
+        n = arrays[0].shape[2] if arrays else 0
+        packed = kernels.packed("float", self.bits, self.group_size, self.dim)
+        return Slot("float", arrays, n, (self.mode,), packed)
 
-    def dense(self, dtype: mx.Dtype) -> mx.array:
-        return fp.decode(fp.FPCodes(*self.buf.used(), self.mode), dtype)
+
+Layout = Sequence["Segment | tuple[Segment, ...]"]
 
 
 class StoredForm:
