@@ -1,4 +1,5 @@
-"""GGUF files of every tensor type the loader reads, written here with gguf-py.
+"""GGUF files of every tensor type the loader reads, and of every model family it
+converts (llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), written here with gguf-py.
 
 A tiny random llama (2 layers, hidden 256 so that rows hold whole 256-weight K-quant
 super-blocks, 4 heads / 2 KV heads, 262 tokens) is written per type. gguf-py
@@ -27,6 +28,7 @@ import pytest
 
 from veloxquant_mlx import models
 from veloxquant_mlx.models import gguf as vgguf
+from veloxquant_mlx.models import gguf_read
 
 ggufpy = pytest.importorskip("gguf")
 T = ggufpy.GGMLQuantizationType
@@ -221,6 +223,17 @@ def random_weights(seed: int = 0) -> dict[str, np.ndarray]:
     return w
 
 
+def add_tiny_tokenizer(w) -> None:
+    """SmolLM's byte-level BPE over ``TOKENS``."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(TOKENS)
+    w.add_token_merges(["h e", "Ġ t", "Ġt he"])
+    w.add_token_types([3] * len(SPECIALS) + [1] * (VOCAB - len(SPECIALS)))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
 def write_llama(
     path: Path,
     weights: dict[str, np.ndarray],
@@ -242,13 +255,7 @@ def write_llama(
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(TOKENS)
-    w.add_token_merges(["h e", "Ġ t", "Ġt he"])
-    w.add_token_types([3] * len(SPECIALS) + [1] * (VOCAB - len(SPECIALS)))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    add_tiny_tokenizer(w)
     values = {}
     for name, x in weights.items():
         if raw and name in raw:
@@ -377,7 +384,7 @@ def test_q4_k_m_style_mix(tmp_path: Path, weights, original):
 def test_every_type_in_one_file(tmp_path: Path, weights, monkeypatch):
     # Mixed with K-quants, the mx.load types also go through the gguf-py path.
     # Convert 3 rows of 256 at a time, so tensors are cut into uneven pieces.
-    monkeypatch.setattr(vgguf, "_CHUNK", 3 * 256)
+    monkeypatch.setattr(gguf_read, "_CHUNK", 3 * 256)
     matrices = [n for n, x in weights.items() if x.ndim == 2]
     kinds = {n: ALL_TYPES[i % len(ALL_TYPES)] for i, n in enumerate(matrices)}
     assert set(kinds.values()) == set(ALL_TYPES)
@@ -926,3 +933,308 @@ def test_cli_reports_gguf_error_in_one_line(tmp_path: Path, capsys, monkeypatch)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "deepseek-coder" in err and "Traceback" not in err
+
+
+# --- families: tiny random mlx_lm models, written as llama.cpp's converter writes them
+#
+# Each case is an mlx_lm config. Its model gets random weights (norms too, so that a
+# norm put in the wrong place shows) and is written with gguf-py's own Hugging Face ->
+# GGUF tensor-name map (llama.cpp's) and the converter's layout: llama's q/k rows
+# permuted, Gemma's norms stored + 1, Phi-3's fused projections as they are, rope
+# factors as tensors, the metadata keys llama.cpp writes. Loaded back, the model must
+# give the original's logits at float32.
+
+FAMILY_SIZES = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    num_hidden_layers=2, rms_norm_eps=1e-5, vocab_size=VOCAB, max_position_embeddings=256,
+    rope_theta=10000.0,
+)  # fmt: skip
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+GEMMA3 = dict(
+    model_type="gemma3_text", num_hidden_layers=6, head_dim=32, num_key_value_heads=1,
+    sliding_window=8, sliding_window_pattern=6, query_pre_attn_scalar=32, rope_theta=1e6,
+    rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
+)  # fmt: skip
+LONGROPE = {"type": "longrope", "long_factor": [1.0, 1.5, 2.5, 4.0],
+            "short_factor": [1.0, 1.1, 1.2, 1.3]}  # fmt: skip
+# case -> (GGUF architecture, mlx_lm config, writer options)
+FAMILY_CASES: dict[str, tuple[str, dict, dict]] = {
+    "llama": ("llama", dict(model_type="llama", tie_word_embeddings=False), {}),
+    "llama3-rope": ("llama", dict(model_type="llama", tie_word_embeddings=False,
+                                  rope_theta=500000.0, rope_scaling=LLAMA3_ROPE), {}),
+    # Mistral's files say "llama"; Nemo's head size is not hidden / heads.
+    "mistral": ("llama", dict(model_type="mistral", head_dim=32, tie_word_embeddings=False), {}),
+    "qwen2": ("qwen2", dict(model_type="qwen2", tie_word_embeddings=True), {}),
+    "qwen3": ("qwen3", dict(model_type="qwen3", head_dim=32, tie_word_embeddings=False), {}),
+    "phi3": ("phi3", dict(model_type="phi3"), {}),
+    "phi3-split-longrope": ("phi3", dict(model_type="phi3", partial_rotary_factor=0.5,
+                                         max_position_embeddings=1024,
+                                         original_max_position_embeddings=256,
+                                         rope_scaling=LONGROPE), {"split_qkv": True}),
+    "gemma3": ("gemma3", GEMMA3, {}),
+    "gemma3-scaled": ("gemma3", {**GEMMA3, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+                      {}),
+    # One global layer every 3, written as per-layer flags (llama.cpp's fixed 6 otherwise).
+    "gemma3-flags": ("gemma3", {**GEMMA3, "sliding_window_pattern": 3}, {"flags": True}),
+}  # fmt: skip
+FAMILY_IDS = [5, 77, 120, 3, 250, 261, 9, 42, 180, 64, 200, 11, 99, 140, 33, 7, 21, 160, 8, 90]
+
+
+def family_model(config: dict) -> nn.Module:
+    """The mlx_lm model of ``config`` with random weights."""
+    import importlib
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    module_type = MODEL_REMAPPING.get(config["model_type"], config["model_type"])
+    module = importlib.import_module(f"mlx_lm.models.{module_type}")
+    model = module.Model(module.ModelArgs.from_dict({**FAMILY_SIZES, **config}))
+    if config["model_type"] == "gemma3_text":
+        model.sanitize({})  # Gemma ties its embeddings: no lm_head
+    rng = np.random.default_rng(0)
+    offset_norms = config["model_type"] == "gemma3_text"  # Gemma's norms scale by 1 + w
+    weights = []
+    for name, p in tree_flatten(model.parameters()):
+        x = rng.standard_normal(p.shape).astype(np.float32)
+        if "norm" in name:
+            x = 0.1 * x + (0.0 if offset_norms else 1.0)
+        elif name.endswith("bias"):
+            x = 0.1 * x
+        elif "embed" not in name:
+            x /= np.sqrt(p.shape[-1])
+        weights.append((name, mx.array(x)))
+    model.load_weights(weights)
+    mx.eval(model.parameters())
+    return model
+
+
+def _hf_to_gguf_rows(name: str, x: np.ndarray, arch: str, args) -> np.ndarray:
+    """llama.cpp's converter's per-tensor changes: llama's q/k permutation, Gemma's +1."""
+    if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = args.num_attention_heads if "q_proj" in name else args.num_key_value_heads
+        return _permute_rows(x, heads)
+    if arch == "gemma3" and name.endswith("norm.weight"):
+        return x + 1.0
+    return x
+
+
+def _family_tensors(model: nn.Module, arch: str, split_qkv: bool) -> dict[str, np.ndarray]:
+    from mlx.utils import tree_flatten
+
+    args = model.args
+    names = ggufpy.get_tensor_name_map(ggufpy.MODEL_ARCH[arch.upper()], args.num_hidden_layers)
+    out = {}
+    for name, p in tree_flatten(model.parameters()):
+        x = _hf_to_gguf_rows(name, np.array(p), arch, args)
+        if split_qkv and name.endswith("qkv_proj.weight"):
+            # llama.cpp also reads Phi-3 files whose q/k/v are separate tensors.
+            q = args.num_attention_heads * (args.hidden_size // args.num_attention_heads)
+            kv = (x.shape[0] - q) // 2
+            blk = name.split(".")[2]
+            for part, rows in zip(("q", "k", "v"), np.split(x, [q, q + kv])):
+                out[f"blk.{blk}.attn_{part}.weight"] = rows
+            continue
+        out[names.get_name(name, try_suffixes=(".weight", ".bias"))] = x
+    return out
+
+
+def _family_metadata(w, arch: str, args, opts: dict) -> None:
+    """The hyperparameter keys llama.cpp's converter writes for ``arch``."""
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    w.add_block_count(args.num_hidden_layers)
+    w.add_context_length(args.max_position_embeddings)
+    w.add_embedding_length(args.hidden_size)
+    w.add_feed_forward_length(args.intermediate_size)
+    w.add_head_count(args.num_attention_heads)
+    w.add_head_count_kv(args.num_key_value_heads)
+    w.add_layer_norm_rms_eps(args.rms_norm_eps)
+    w.add_rope_freq_base(args.rope_theta)
+    w.add_rope_dimension_count(int(head_dim * getattr(args, "partial_rotary_factor", 1.0)))
+    if head_dim != args.hidden_size // args.num_attention_heads or arch == "gemma3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    scaling = getattr(args, "rope_scaling", None) or {}
+    if scaling.get("rope_type") == "linear":
+        w.add_rope_scaling_type(ggufpy.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(scaling["factor"])
+    if arch == "phi3" and scaling:
+        w.add_rope_scaling_orig_ctx_len(args.original_max_position_embeddings)
+    if arch == "gemma3":
+        w.add_sliding_window(args.sliding_window)
+        if opts.get("flags"):
+            p = args.sliding_window_pattern
+            w.add_sliding_window_pattern([(i + 1) % p != 0 for i in range(args.num_hidden_layers)])
+
+
+def _rope_tensors(arch: str, args) -> dict[str, np.ndarray]:
+    """Rope factors llama.cpp stores as tensors: Llama 3's rope_freqs, Phi-3's longrope."""
+    scaling = getattr(args, "rope_scaling", None) or {}
+    if scaling.get("rope_type") == "llama3":
+        dims = args.head_dim or args.hidden_size // args.num_attention_heads
+        base = args.rope_theta
+        # Written out here from llama.cpp's convert script, not from the loader.
+        freqs = 1.0 / base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+        factors = []
+        for f in freqs:
+            wavelen = 2 * np.pi / f
+            orig = scaling["original_max_position_embeddings"]
+            low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+            if wavelen < orig / high:
+                factors.append(1.0)
+            elif wavelen > orig / low:
+                factors.append(scaling["factor"])
+            else:
+                smooth = (orig / wavelen - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
+        return {"rope_freqs.weight": np.array(factors, np.float32)}
+    if scaling.get("type") == "longrope":
+        return {f"rope_factors_{k}.weight": np.array(scaling[f"{k}_factor"], np.float32)
+                for k in ("long", "short")}  # fmt: skip
+    return {}
+
+
+def write_family(path: Path, case: str, kind: str = "F32", **extra_meta) -> nn.Module:
+    """Write case ``case`` as a GGUF (matrices as ``kind``); returns the original model."""
+    arch, config, opts = FAMILY_CASES[case]
+    model = family_model(config)
+    w = ggufpy.GGUFWriter(str(path), arch)
+    _family_metadata(w, arch, model.args, opts)
+    for key, value in extra_meta.items():
+        w.add_float32(f"{arch}.{key}", value)
+    add_tiny_tokenizer(w)
+    tensors = {**_family_tensors(model, arch, opts.get("split_qkv", False)),
+               **_rope_tensors(arch, model.args)}  # fmt: skip
+    for name, x in tensors.items():
+        if x.ndim == 2 and kind != "F32":
+            blocks = ggufpy.quants.quantize(x, T[kind])
+            w.add_tensor(name, blocks, raw_dtype=T[kind] if blocks.dtype == np.uint8 else None)
+        else:
+            w.add_tensor(name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+def family_logits(model: nn.Module) -> np.ndarray:
+    return np.array(model(mx.array([FAMILY_IDS]))[0].astype(mx.float32))
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+def test_family_round_trip(case: str, tmp_path: Path):
+    path = tmp_path / f"{case}.gguf"
+    original = write_family(path, case)
+    model, tokenizer = models.load(str(path), dtype="float32")
+    want, got = family_logits(original), family_logits(model)
+    assert type(model).__module__ == type(original).__module__
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()), case
+    assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat"
+
+
+def test_gemma3_config_and_tokenizer(tmp_path: Path):
+    path = tmp_path / "gemma3.gguf"
+    write_family(path, "gemma3-scaled")
+    model, tokenizer = models.load(str(path), dtype="float32")
+    args = model.args
+    assert (args.sliding_window, args.sliding_window_pattern) == (8, 6)
+    assert (args.rope_theta, args.rope_local_base_freq, args.query_pre_attn_scalar) == (
+        1e6, 10000.0, 32)
+    # Scaling only on the global layer (5); the sliding ones keep their base.
+    ropes = [layer.self_attn.rope for layer in model.layers]
+    assert [r.scale for r in ropes] == [1.0] * 5 + [1 / 8]
+    assert "lm_head" not in model  # tied embeddings
+    # No template in the file: Gemma's turns.
+    chat = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+         {"role": "assistant", "content": "hello"}, {"role": "user", "content": "the"}],
+        add_generation_prompt=True, tokenize=False,
+    )  # fmt: skip
+    assert chat == (
+        "<|im_start|><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n"
+        "<start_of_turn>model\nhello<end_of_turn>\n<start_of_turn>user\nthe<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+
+
+@pytest.mark.parametrize("case", ["qwen3", "phi3", "phi3-split-longrope", "gemma3"])
+def test_family_keep_quantized(case: str, tmp_path: Path):
+    # Q8_0 matrices kept as MLX 8-bit triples: the input widths of each family's
+    # projections (gemma3's o_proj, fused qkv) must give the right group size.
+    path = tmp_path / f"{case}-q8.gguf"
+    original = write_family(path, case, kind="Q8_0")
+    model, _ = models.load(str(path), dtype="keep")
+    want, got = family_logits(original), family_logits(model)
+    assert isinstance(model.layers[0].mlp.down_proj, nn.QuantizedLinear)
+    # Measured: 0.004 to 0.006 (8-bit weights, float16 scales).
+    assert rel(got, want) < 0.02, case
+
+
+def test_phi3_mixed_types_are_fused_dense(tmp_path: Path):
+    # q/k/v of different types cannot share one quantized tensor: fused dense instead.
+    path = tmp_path / "phi3-mixed.gguf"
+    arch, config, _ = FAMILY_CASES["phi3-split-longrope"]
+    original = family_model(config)
+    w = ggufpy.GGUFWriter(str(path), arch)
+    _family_metadata(w, arch, original.args, {})
+    add_tiny_tokenizer(w)
+    tensors = {**_family_tensors(original, arch, True), **_rope_tensors(arch, original.args)}
+    for name, x in tensors.items():
+        kind = "Q8_0" if x.ndim == 2 and "attn_v" not in name else "F32"
+        w.add_tensor(name, ggufpy.quants.quantize(x, T[kind]) if kind != "F32" else x,
+                     raw_dtype=T[kind] if kind != "F32" else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model, _ = models.load(str(path), dtype="keep")
+    assert isinstance(model.layers[0].self_attn.qkv_proj, nn.Linear)
+    assert isinstance(model.layers[0].self_attn.o_proj, nn.QuantizedLinear)
+    assert rel(family_logits(model), family_logits(original)) < 0.02
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path):
+    # Refused before any tensor is read: the junk IQ2_XXS tensor is never reached.
+    path = tmp_path / "falcon.gguf"
+    w = ggufpy.GGUFWriter(str(path), "falcon")
+    add_tiny_tokenizer(w)
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((64, 66), np.uint8), raw_dtype=T.IQ2_XXS)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(models.GGUFError, match=r"architecture 'falcon'; supported: llama.*gemma3"
+                                                r".*qwen2.*qwen3.*phi3"):  # fmt: skip
+        models.load(str(path))
+
+
+def test_gemma3_soft_capping_is_refused(tmp_path: Path):
+    path = tmp_path / "gemma-capped.gguf"
+    write_family(path, "gemma3", final_logit_softcapping=30.0)
+    with pytest.raises(models.GGUFError, match=r"gemma3.final_logit_softcapping=30.0.*no soft"):
+        models.load(str(path))
+
+
+def test_foreign_tensor_is_named_per_family(tmp_path: Path):
+    path = tmp_path / "qwen3-extra.gguf"
+    write_family(path, "qwen3")
+    data = bytearray(path.read_bytes())
+    # Rename one tensor in the header (same length): attn_k_norm -> attn_x_norm.
+    at = data.index(b"blk.1.attn_k_norm.weight")
+    data[at : at + 17] = b"blk.1.attn_x_norm"
+    path.write_bytes(bytes(data))
+    with pytest.raises(models.GGUFError, match=r"'blk.1.attn_x_norm.weight' has no qwen3"):
+        models.load(str(path))
+
+
+def test_llama3_rope_freqs_must_match(tmp_path: Path):
+    # Factors that are not Llama 3's formula are refused, not approximated.
+    path = tmp_path / "llama3-odd.gguf"
+    write_family(path, "llama3-rope")
+    weights, meta = vgguf.read_gguf(path)
+    weights = {**weights, "rope_freqs.weight": weights["rope_freqs.weight"] * 1.1}
+    config = vgguf.model_config(meta, tied=False)
+    with pytest.raises(models.GGUFError, match="rope_freqs.weight is not Llama 3"):
+        vgguf.FAMILIES["llama"].undo(weights, config, vgguf.Meta(meta))

@@ -374,3 +374,22 @@ def test_tune_grid_spans_the_compression_range(cls):
     # SmolLM2): its grid spans 8-bit anchor + 4-bit deltas down to 2-bit deltas.
     low, high = (0.3, 0.4) if cls is XQuantCache else (0.45, 0.65)
     assert min(ratios) < low and max(ratios) > high, ratios
+
+
+@pytest.mark.parametrize("scale,dtype", [(1.0, mx.float16), (1e5, mx.float32)])
+def test_values_past_float16_get_float32_scales(scale: float, dtype: mx.Dtype) -> None:
+    # Gemma 3's residual stream reaches about 1e5: with float16 biases (group minima)
+    # the codes decode to inf and the logits to NaN. The first values a cache codes
+    # decide its scale dtype; its declared bytes follow.
+    from veloxquant_mlx.cache.base import LayerInfo
+    from veloxquant_mlx.ops import quantize as q
+
+    c = XQuantCache(KVCacheConfig("xquant", bits=8), LayerInfo())
+    x = mx.random.normal((1, 8, 64), key=mx.random.key(0)) * scale
+    codes = c._quantize(x)
+    assert c.scale_dtype == dtype and codes.scales.dtype == dtype
+    back = q.dequantize(codes)
+    assert mx.isfinite(back).all().item()
+    assert (mx.abs(back - x).max() / mx.abs(x).max()).item() < 0.01
+    c.codes, c.widths = [codes], (64,)
+    assert c._scale_bytes() == dtype.size

