@@ -3,11 +3,13 @@
 The HTTP handling, tokenization, batching and streaming are mlx_lm.server's own.
 Swapped in or added:
 
-- ``FreshCachePool`` replaces mlx_lm's cross-request ``LRUPromptCache``: every
-  request asks it for a cache and gets a brand-new one from
-  ``KVCacheBuilder.for_model`` (fresh coordinators included), and finished caches
-  are dropped instead of kept, so requests never share state and memory goes back
-  after each request. Each request's caches carry its KV reservation (``Ticket``).
+- ``CompressedPromptCache`` (``prompt_reuse``) replaces mlx_lm's ``LRUPromptCache``:
+  it is that class, keeping finished (and system-prompt) caches compressed and starting
+  each request from the longest exactly shared prefix, with copies that carry their
+  own cross-layer coordinators; kept caches count in ``--max-kv-memory`` and give way
+  to admitted requests. ``--prompt-cache-size 0`` gives every request brand-new caches
+  from ``KVCacheBuilder.for_model``. Each request's caches carry its KV reservation
+  (``Ticket``).
 - ``VeloxModelProvider`` loads models with ``veloxquant_mlx.models.load`` (the
   embedded model when ``--model`` is not given).
 - Limits (``server_limits``): ``--max-context``, a measured ``--max-kv-memory`` budget
@@ -32,63 +34,16 @@ from typing import Any
 
 import mlx.core as mx
 
+from veloxquant_mlx.apps.prompt_reuse import (
+    DEFAULT_ENTRIES,
+    CompressedPromptCache,
+    RequestCaches,
+)
 from veloxquant_mlx.config import KVCacheConfig
 
+__all__ = ["RequestCaches", "add_serve_arguments", "check_loopback", "free_port", "serve"]
+
 LOOPBACK_NAMES = ("localhost",)
-
-
-class RequestCaches(list):
-    """One request's layer caches, carrying its KV reservation through mlx_lm."""
-
-    ticket: Any = None
-
-
-class FreshCachePool:
-    """Stands in for mlx_lm's ``LRUPromptCache``: never reuses a cache."""
-
-    def __init__(self, model_provider: Any, config: KVCacheConfig, limits: Any = None) -> None:
-        self.model_provider = model_provider
-        self.config = config
-        self.limits = limits  # ServerLimits: read real memory once caches are dropped
-        self.served = 0
-        # Set by the generation thread right before it asks for a request's caches.
-        self.pending_ticket: Any = None
-
-    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any], list[int]]:
-        from veloxquant_mlx.adapter.builder import KVCacheBuilder
-        from veloxquant_mlx.cache.base import CompressedCache
-
-        self.served += 1
-        caches = RequestCaches(KVCacheBuilder.for_model(self.model_provider.model, self.config))
-        ticket, self.pending_ticket = self.pending_ticket, None
-        if ticket is not None:
-            caches.ticket = ticket
-            # The reservation lasts until these objects are garbage (they move, never copy).
-            ticket.track([c for c in caches if isinstance(c, CompressedCache)])
-        return caches, tokens
-
-    def insert_cache(self, model: Any = None, tokens: Any = None, cache: Any = None,
-                     *args: Any, **kwargs: Any) -> None:
-        # A request finished: drop its cache and hand the freed buffers back.
-        if isinstance(cache, list):
-            cache.clear()
-        gc.collect()
-        mx.clear_cache()
-        if self.limits is not None:
-            self.limits.sample_real()
-
-    def trim_to(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __len__(self) -> int:
-        return 0
-
-    @property
-    def nbytes(self) -> int:
-        return 0
-
-    def stats_by_type(self) -> dict[str, Any]:
-        return {}
 
 
 def check_loopback(host: str) -> None:
@@ -149,7 +104,10 @@ def build_server_args(args: argparse.Namespace) -> argparse.Namespace:
         max_tokens=args.max_tokens, chat_template_args={},
         decode_concurrency=args.decode_concurrency,
         prompt_concurrency=args.prompt_concurrency, prefill_step_size=args.prefill_step_size,
-        prompt_cache_size=0, prompt_cache_bytes=None, kv_bits=None, kv_group_size=64,
+        # mlx_lm trims its cache to --prompt-cache-bytes minus the running requests'
+        # bytes; ours bounds the kept caches itself (within --max-kv-memory).
+        prompt_cache_size=args.prompt_cache_size, prompt_cache_bytes=None, kv_bits=None,
+        kv_group_size=64,
         quantized_kv_start=DEFAULT_QUANTIZED_KV_START, pipeline=False,
     )
 
@@ -173,7 +131,8 @@ def serve(args: argparse.Namespace, config: KVCacheConfig) -> None:
                           queue_timeout=args.queue_timeout, probe=args.kv_probe_tokens,
                           chunk=args.prefill_step_size)
     provider = _provider_class()(build_server_args(args))
-    pool = FreshCachePool(provider, config, limits)
+    pool = CompressedPromptCache(provider, config, limits, max_size=_reused_entries(args),
+                                 max_bytes=args.prompt_cache_bytes)
     from veloxquant_mlx.apps.distributed import (
         response_generator,  # under mlx.launch: shards; rank 0 returns
     )
@@ -191,10 +150,34 @@ def serve(args: argparse.Namespace, config: KVCacheConfig) -> None:
           f"\n[veloxquant] max context {limits.max_context} ({limits.context_source}); KV "
           f"budget {format_bytes(limits.budget.budget)} ({limits.memory_source}), "
           f"{limits.cost.tokens_within(limits.budget.budget)} tokens; "
-          f"{limits.cost.describe()}", file=sys.stderr, flush=True)
+          f"{limits.cost.describe()}\n[veloxquant] {_describe_reuse(pool)}",
+          file=sys.stderr, flush=True)
     mlx_server._run_http_server(args.host, args.port, generator,
                                 server_class=BackloggedHTTPServer,
                                 handler_class=LimitedAPIHandler)
+
+
+def _reused_entries(args: argparse.Namespace) -> int:
+    """``--prompt-cache-size``, or 0 under mlx.launch: there only rank 0 admits requests
+    (and evicts for them), so the ranks' kept caches would not stay the same."""
+    from veloxquant_mlx.apps.distributed import world
+
+    if args.prompt_cache_size and world() is not None:
+        logging.warning("prompt-cache reuse is off under mlx.launch (--prompt-cache-size "
+                        "%d ignored)", args.prompt_cache_size)
+        return 0
+    return args.prompt_cache_size
+
+
+def _describe_reuse(pool: CompressedPromptCache) -> str:
+    from veloxquant_mlx.apps.server_limits import format_bytes
+
+    if pool.entry_limit <= 0:
+        return "prompt cache off: every request is prefilled from scratch"
+    room = "within the KV budget" if pool.byte_limit is None else \
+        f"at most {format_bytes(pool.byte_limit)} (--prompt-cache-bytes), within the KV budget"
+    return (f"prompt cache: up to {pool.entry_limit} kept caches (--prompt-cache-size), "
+            f"{room}; requests start from the longest shared prefix")
 
 
 def _exit_with(error: Exception) -> None:
@@ -230,13 +213,16 @@ def _checked(kind: type, name: str, minimum: float, maximum: float | None = None
     return parse
 
 
-def _size(text: str) -> int:
+def _size(flag: str) -> Any:
+    """An argparse type: a positive size, else an error naming ``flag``."""
     from veloxquant_mlx.apps.server_limits import parse_size
 
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    def parse(text: str) -> int:
+        try:
+            return parse_size(text, flag)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -260,7 +246,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=_checked(int, "--max-context", 1), default=None,
                         help="most tokens (prompt + max_tokens) per request "
                         "(default: the model's maximum)")
-    parser.add_argument("--max-kv-memory", type=_size, default=None,
+    parser.add_argument("--max-kv-memory", type=_size("--max-kv-memory"), default=None,
                         help="KV cache bytes shared by all requests, e.g. 2GB or 512MiB "
                         "(default: half of the memory available at start)")
     parser.add_argument("--max-queue", type=_checked(int, "--max-queue", 0), default=16,
@@ -271,6 +257,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-share", type=_checked(float, "--prefill-share", 0.05, 1.0),
                         default=0.5, help="most of the time prompt processing may take "
                         "while other requests decode (1: no limit)")
+    parser.add_argument("--prompt-cache-size", type=_checked(int, "--prompt-cache-size", 0),
+                        default=DEFAULT_ENTRIES, help="most caches kept for reuse by later "
+                        "requests (finished conversations, system prompts), compressed; "
+                        "0: every request is prefilled from scratch")
+    parser.add_argument("--prompt-cache-bytes", type=_size("--prompt-cache-bytes"),
+                        default=None, help="most bytes the kept caches may hold, e.g. 1GB "
+                        "(default: any part of --max-kv-memory that requests leave free)")
     parser.add_argument("--kv-probe-tokens", type=_checked(int, "--kv-probe-tokens", 16),
                         default=256, help="tokens of the start-up KV measurement (prefills "
                         "of N and 2N tokens)")

@@ -3,7 +3,7 @@
 ``LimitedAPIHandler`` is mlx_lm's ``APIHandler`` with one step before mlx_lm handles a
 completion: the prompt is rendered and counted, checked against ``--max-context`` and
 ``--max-kv-memory`` and given a KV reservation (``ServerLimits.admit``), possibly after
-waiting in the queue. Refusals are JSON ``{"error", "code", "limit"}`` with 400, 429 or
+waiting in the queue; the kept cache it will start from is pinned meanwhile. Refusals are JSON ``{"error", "code", "limit"}`` with 400, 429 or
 503 (the last two with ``Retry-After``).
 
 ``LimitedResponseGenerator`` is mlx_lm's ``ResponseGenerator`` with:
@@ -79,10 +79,10 @@ class LimitedResponseGenerator(mlx_server.ResponseGenerator):
             self.prompt_cache.pending_ticket = getattr(request, "veloxquant_ticket", None)
         return super()._tokenize(tokenizer, request, args)
 
-    def count_prompt_tokens(self, request: Any, chat_template_kwargs: Any) -> int:
-        """The prompt's length exactly as the generation thread will tokenize it."""
+    def prompt_tokens(self, request: Any, chat_template_kwargs: Any) -> list[int]:
+        """The prompt exactly as the generation thread will tokenize it."""
         args = SimpleNamespace(chat_template_kwargs=chat_template_kwargs)
-        return len(self._tokenize(self.model_provider.tokenizer, request, args)[0])
+        return list(self._tokenize(self.model_provider.tokenizer, request, args)[0])
 
     def _await_response(self, response_queue: Queue) -> Any:
         ticket: Ticket | None = getattr(_handler, "ticket", None)
@@ -170,14 +170,15 @@ class LimitedAPIHandler(mlx_server.APIHandler):
     def _admit(self, request: Any, limits: ServerLimits) -> Ticket:
         self._check_batchable(limits)
         try:
-            n = self.response_generator.count_prompt_tokens(request, self.chat_template_kwargs)
+            tokens = self.response_generator.prompt_tokens(request, self.chat_template_kwargs)
         except Exception as e:
             limits.record("bad_request")
             raise LimitError(400, "bad_prompt", f"the request cannot be made into a prompt: "
                              f"{type(e).__name__}: {e}", name="messages/prompt") from e
+        n = len(tokens)
         if "max_tokens" not in self.body and "max_completion_tokens" not in self.body:
             self.max_tokens = limits.default_max_tokens(n, self.max_tokens)
-        return limits.admit(n, self.max_tokens, lambda: peer_closed(self.connection))
+        return limits.admit(n, self.max_tokens, lambda: peer_closed(self.connection), tokens)
 
     def _check_batchable(self, limits: ServerLimits) -> None:
         """Refuse what would make mlx_lm drain the batch and serve one request alone."""

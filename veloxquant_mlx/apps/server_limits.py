@@ -12,7 +12,9 @@
   bytes before it reaches the batch generator and gives them back when its caches are
   really gone (weak references on the cache objects). A request that does not fit now
   waits in a bounded FIFO queue; past the queue or the wait it is refused with 429/503
-  and a ``Retry-After`` estimate.
+  and a ``Retry-After`` estimate. Caches kept for reuse (``apps.prompt_reuse``, the
+  budget's ``keeper``) count too; the request at the head of the queue evicts them
+  (least recently used first) before it waits.
 - ``ServerLimits``: the settings, the counters ``GET /limits`` reports and the errors
   (``LimitError``) that name the limit, the request's size and the measured cost.
 """
@@ -190,6 +192,9 @@ class Ticket:
     cancel_progress: tuple[int, int] | None = None
     stop_progress: tuple[int, int] | None = None
     admitted_at: float = 0.0
+    # The kept cache it means to start from, and whether admission pinned it.
+    reuse_key: Any = field(default=None, repr=False)
+    pinned: bool = False
     _live: int = 0
     _handler_done: bool = False
 
@@ -257,14 +262,40 @@ class KVBudget:
         self._queue: deque[Ticket] = deque()
         self.active: set[Ticket] = set()
         self.reserved = self.peak_reserved = self.peak_active = self.peak_queued = 0
+        self.peak_held = 0  # requests' reservations and kept caches together
         self._durations: deque[float] = deque(maxlen=32)
+        # The prompt cache: ``nbytes``, ``make_room(ticket)``, ``pin(ticket)``.
+        self.keeper: Any = None
+
+    @property
+    def kept(self) -> int:
+        """Bytes of the caches kept for reuse (evictable, not reserved by requests)."""
+        return self.keeper.nbytes if self.keeper is not None else 0
+
+    def note_held(self) -> None:
+        with self.lock:
+            self.peak_held = max(self.peak_held, self.reserved + self.kept)
+
+    def transfer(self, ticket: Ticket, n: int) -> int:
+        """Move ``n`` bytes of ``ticket``'s reservation to a kept cache (negative: back)."""
+        with self.lock:
+            if ticket.state != "admitted":
+                return 0
+            n = min(n, ticket.need)
+            ticket.need -= n
+            self.reserved -= n
+            return n
 
     @property
     def queued(self) -> int:
         return len(self._queue)
 
     def _fits_now(self, ticket: Ticket) -> bool:
-        return self._queue[0] is ticket and self.reserved + ticket.need <= self.budget
+        if self._queue[0] is not ticket:
+            return False
+        if self.keeper is not None and self.reserved + self.kept + ticket.need > self.budget:
+            self.keeper.make_room(ticket)
+        return self.reserved + self.kept + ticket.need <= self.budget
 
     def acquire(self, ticket: Ticket, gone: Callable[[], bool]) -> None:
         """Reserve ``ticket.need`` bytes, waiting in line if needed.
@@ -295,7 +326,10 @@ class KVBudget:
             self.reserved += ticket.need
             self.active.add(ticket)
             self.peak_reserved = max(self.peak_reserved, self.reserved)
+            self.peak_held = max(self.peak_held, self.reserved + self.kept)
             self.peak_active = max(self.peak_active, len(self.active))
+            if self.keeper is not None:
+                self.keeper.pin(ticket)  # before the lock goes: nothing evicts it first
 
     def release(self, ticket: Ticket) -> None:
         with self._cond:
@@ -427,10 +461,16 @@ class ServerLimits:
                     fits_tokens=self.cost.tokens_within(self.budget.budget),
                     **{k: v for k, v in self.cost.to_dict().items() if k != "probe_bytes"})
 
-    def admit(self, prompt_tokens: int, max_tokens: int, gone: Callable[[], bool]) -> Ticket:
-        """Check the limits, then wait for the bytes; ``LimitError`` when refused."""
+    def admit(self, prompt_tokens: int, max_tokens: int, gone: Callable[[], bool],
+              tokens: Sequence[int] | None = None) -> Ticket:
+        """Check the limits, then wait for the bytes; ``LimitError`` when refused.
+
+        ``tokens`` (the prompt) names the kept cache the request will start from, so
+        that making room for it evicts other entries first."""
         need = self.check(prompt_tokens, max_tokens)
         ticket = Ticket(need=need, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+        if tokens is not None and self.budget.keeper is not None:
+            ticket.reuse_key = self.budget.keeper.match(tokens)
         total = prompt_tokens + max_tokens
         try:
             self.budget.acquire(ticket, gone)
@@ -463,6 +503,8 @@ class ServerLimits:
         if ticket.cancelled:
             with self.budget.lock:
                 self.cancels.append(ticket)
+        if self.budget.keeper is not None:
+            self.budget.keeper.unpin(ticket)  # refused or cancelled before its fetch
         ticket.handler_done()
 
     # ---- generation thread ----
@@ -479,7 +521,7 @@ class ServerLimits:
         with self.budget.lock:
             self.kv_real = real
             self.kv_real_peak = max(self.kv_real_peak, real)
-            over = real - self.budget.reserved
+            over = real - self.budget.reserved - self.budget.kept
             if self.real_over_reserved_peak is None or over > self.real_over_reserved_peak:
                 self.real_over_reserved_peak = over
 
@@ -496,7 +538,10 @@ class ServerLimits:
                 "queue_timeout_s": self.queue_timeout,
                 "kv_cost": self.cost.to_dict() if self.cost else None,
                 "fits_tokens": self.cost.tokens_within(b.budget) if self.cost else None,
-                "reserved_bytes": b.reserved, "free_bytes": b.budget - b.reserved,
+                "reserved_bytes": b.reserved, "kept_bytes": b.kept,
+                "free_bytes": b.budget - b.reserved,  # kept caches give way on demand
+                "peak_reserved_and_kept_bytes": b.peak_held,
+                "prompt_cache": b.keeper.snapshot() if b.keeper is not None else None,
                 "active_requests": len(b.active), "queued_requests": b.queued,
                 "peak_reserved_bytes": b.peak_reserved, "peak_active_requests": b.peak_active,
                 "peak_queued_requests": b.peak_queued,

@@ -1,0 +1,325 @@
+"""Compressed prompt caches kept across requests: mlx_lm's ``LRUPromptCache`` for the server.
+
+``CompressedPromptCache`` is mlx_lm's ``LRUPromptCache`` (its token trie, its typed LRU
+order, its byte counters, its insertion that drops the prefixes of a trimmable cache)
+with what compressed caches and a shared KV budget need:
+
+- **What a request starts from.** The longest kept prefix of its prompt that leaves at
+  least one token to prefill (the last position's logits are computed, never stored). A
+  kept cache whose tokens extend the prompt, or diverge from it, is deep-copied and
+  trimmed to the common prefix only when every layer says ``is_trimmable()`` and the
+  trim succeeds (a method may refuse a cut, e.g. inside an evicted keep-set); otherwise a
+  cache is reused only when its tokens are an exact prefix of the prompt. A copy's size
+  must equal the shared prefix, so no request sees a state beyond an exactly shared
+  token prefix. Nothing else matching: fresh caches from ``KVCacheBuilder.for_model``.
+- **Copies.** Kept caches and the caches handed out are deep copies made in one
+  ``copy.deepcopy`` of the whole layer list, so a cross-layer method's coordinator
+  travels with its sequence and the copy's layers share one new coordinator, never the
+  original's (``LayerInfo.__deepcopy__``). MLX arrays are immutable: a copy shares the
+  buffers until either side writes, so copying costs almost nothing.
+- **Memory.** A kept entry is charged what a request of its tokens reserves (the
+  allocator-measured line of ``server_limits.KVCost``), or its declared bytes if more.
+  Entries count in ``--max-kv-memory`` (``KVBudget.keeper``); a finished request hands
+  its entry's share of its reservation over instead of reserving twice. An admitted
+  request that needs room evicts entries least recently used first, never one pinned by
+  an admitted request that has not copied it yet, and its own intended entry only as a
+  last resort. ``--prompt-cache-size`` / ``--prompt-cache-bytes`` bound the entries.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Callable, Collection
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from veloxquant_mlx.cache.base import CompressedCache, NotTrimmableError
+from veloxquant_mlx.config import KVCacheConfig
+
+DEFAULT_ENTRIES = 10  # mlx_lm.server's --prompt-cache-size default
+_NO_LIMIT = 1 << 63
+
+Key = tuple[Any, tuple[int, ...]]
+
+
+class RequestCaches(list):
+    """One request's layer caches, carrying its KV reservation through mlx_lm."""
+
+    ticket: Any = None
+
+
+def _holds(cache: list[Any], n: int) -> bool:
+    """Every layer that counts its tokens holds exactly ``n`` of them."""
+    return all(c.offset == n for c in cache if isinstance(getattr(c, "offset", None), int))
+
+
+def _finished(ticket: Any) -> bool:
+    # The batch generator marks a request that stopped generating before mlx_lm inserts it.
+    return ticket is not None and ticket.stop_progress is not None and not ticket.cancelled
+
+
+class CompressedPromptCache(LRUPromptCache):
+    """mlx_lm's prompt cache for compressed caches, inside the server's KV budget."""
+
+    def __init__(self, model_provider: Any, config: KVCacheConfig, limits: Any = None,
+                 max_size: int = DEFAULT_ENTRIES, max_bytes: int | None = None) -> None:
+        super().__init__()
+        # mlx_lm's insertion evicts to its limits without knowing pins: ours apply after it.
+        self.max_size = self.max_bytes = _NO_LIMIT
+        self.entry_limit, self.byte_limit = max_size, max_bytes
+        self.model_provider, self.config, self.limits = model_provider, config, limits
+        self.budget = limits.budget if limits is not None else None
+        self.lock = self.budget.lock if self.budget is not None else threading.RLock()
+        self.pending_ticket: Any = None  # set by the generation thread before a fetch
+        self._pins: Counter[Key] = Counter()
+        # Evicted caches, freed by the generation thread (where mlx_lm frees caches).
+        self._dropped: list[list[Any]] = []
+        self._owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.counters = dict.fromkeys(("requests", "reused", "reused_tokens", "trimmed",
+                                       "kept", "not_kept", "evicted"), 0)
+        if self.budget is not None:
+            self.budget.keeper = self
+
+    # ---- finding the entry to start from ----
+    def _plan(self, model: Any, tokens: list[int]) -> list[tuple[list[int], int]]:
+        """Entries worth copying, best first, each with the tokens it would keep."""
+        probe = tokens[:-1]  # the last token is always prefilled
+        if self.entry_limit <= 0 or not probe:
+            return []
+        found = self._trie.search(model, probe)
+        exact = probe if found.exact is not None else (found.shorter or [])
+        plan = []
+        if found.longer is not None and found.common_prefix > len(exact):
+            plan.append((found.longer, found.common_prefix))
+        if exact:
+            plan.append((exact, len(exact)))
+        return plan
+
+    def _usable(self, model: Any, key: list[int], keep: int) -> bool:
+        cache = self._trie.get(model, key).prompt_cache
+        return keep == len(key) or can_trim_prompt_cache(cache)
+
+    def _copy(self, model: Any, key: list[int], keep: int) -> list[Any] | None:
+        """A deep copy of entry ``key`` cut to its first ``keep`` tokens, or ``None``."""
+        if not self._usable(model, key, keep):
+            return None
+        entry = self._trie.get(model, key)
+        cache = copy.deepcopy(entry.prompt_cache)
+        if keep < len(key):
+            try:
+                if trim_prompt_cache(cache, len(key) - keep) != len(key) - keep:
+                    return None
+            except NotTrimmableError:
+                return None
+            self.counters["trimmed"] += 1
+        if not _holds(cache, keep):
+            logging.warning("prompt cache: an entry of %d tokens does not hold them; "
+                            "not reused", len(key))
+            return None
+        self._touch(model, key, entry.cache_type)
+        return cache
+
+    def _touch(self, model: Any, key: list[int], cache_type: str) -> None:
+        """A reused entry becomes the most recently used of its kind."""
+        self._lru.remove(model, key)
+        self._lru.push(model, key, cache_type)
+
+    def match(self, tokens: list[int]) -> Key | None:
+        """The entry a request of ``tokens`` would start from (admission pins it)."""
+        model = self.model_provider.model_key
+        with self.lock:
+            for key, keep in self._plan(model, list(tokens)):
+                if self._usable(model, key, keep):
+                    return model, tuple(key)
+        return None
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any], list[int]]:
+        ticket, self.pending_ticket = self.pending_ticket, None
+        tokens = list(tokens)
+        cache, keep = None, 0
+        self._free_dropped()
+        with self.lock:
+            self.unpin(ticket)
+            self.counters["requests"] += 1
+            for key, n in self._plan(model, tokens):
+                cache = self._copy(model, key, n)
+                if cache is not None:
+                    keep = n
+                    self.counters["reused"] += 1
+                    self.counters["reused_tokens"] += n
+                    break
+        if cache is None:
+            cache = self._fresh()
+        else:
+            logging.info("prompt cache: %d of %d prompt tokens reused", keep, len(tokens))
+        return self._attach(RequestCaches(cache), ticket), tokens[keep:]
+
+    def _fresh(self) -> list[Any]:
+        from veloxquant_mlx.adapter.builder import KVCacheBuilder
+
+        return KVCacheBuilder.for_model(self.model_provider.model, self.config)
+
+    def _attach(self, caches: RequestCaches, ticket: Any) -> RequestCaches:
+        layers = [c for c in caches if isinstance(c, CompressedCache)]
+        if ticket is not None:
+            caches.ticket = ticket
+            # The reservation lasts until these objects are garbage (they move, never copy).
+            ticket.track(layers)
+            if layers:
+                self._owners[layers[0]] = ticket
+        return caches
+
+    # ---- keeping finished and segment caches ----
+    def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
+                     cache_type: str = "assistant") -> None:
+        tokens = list(tokens)
+        try:
+            if self.entry_limit > 0 and tokens and _holds(prompt_cache, len(tokens)):
+                ticket = self._owner(prompt_cache)
+                # A snapshot: a segment's caches are still being filled by their request.
+                kept = copy.deepcopy(list(prompt_cache))
+                with self.lock:
+                    self._keep(model, tokens, kept, cache_type, ticket)
+        finally:
+            # mlx_lm's list is a fresh one per call: emptying it drops the request's own
+            # objects now (cross-layer caches sit in reference cycles), as before reuse.
+            prompt_cache.clear()
+            self._free_dropped()
+            gc.collect()
+            mx.clear_cache()
+            if self.limits is not None:
+                self.limits.sample_real()
+
+    def _owner(self, cache: list[Any]) -> Any:
+        first = next((c for c in cache if isinstance(c, CompressedCache)), None)
+        return None if first is None else self._owners.get(first)
+
+    def _keep(self, model: Any, tokens: list[int], kept: list[Any], cache_type: str,
+              ticket: Any) -> None:
+        charge = self._charge(kept, len(tokens))
+        moved = 0
+        if self.budget is not None and _finished(ticket):
+            moved = self.budget.transfer(ticket, charge)
+        super().insert_cache(model, tokens, kept, cache_type=cache_type)
+        entry = self._trie.get(model, tokens)
+        self._n_bytes += charge - entry.nbytes
+        self._n_bytes_by_type[cache_type] += charge - entry.nbytes
+        entry.nbytes = charge
+        # Entries give way to the entry and byte limits (mlx_lm's), never to a snapshot's
+        # budget: a finished request's entry was paid by its reservation; a running
+        # request's snapshot is kept only in room that is free.
+        self._evict(self._within_counts, protect={(model, tuple(tokens))})
+        if self._within_counts() and self._fits_budget():
+            self.counters["kept"] += 1
+            if self.budget is not None:
+                self.budget.note_held()
+            return
+        self._pop(model, tokens)
+        self.counters["not_kept"] += 1
+        if moved:
+            self.budget.transfer(ticket, -moved)
+
+    def _charge(self, cache: list[Any], n_tokens: int) -> int:
+        declared = sum(getattr(c, "nbytes", 0) or 0 for c in cache)
+        cost = getattr(self.limits, "cost", None)
+        return max(declared, cost.bytes_for(n_tokens) if cost is not None else 0)
+
+    def _within_counts(self) -> bool:
+        return len(self) <= self.entry_limit and (
+            self.byte_limit is None or self.nbytes <= self.byte_limit)
+
+    def _fits_budget(self) -> bool:
+        return self.budget is None or self.budget.reserved + self.nbytes <= self.budget.budget
+
+    # ---- eviction ----
+    def _pop(self, model: Any, tokens: list[int]) -> None:
+        self._lru.remove(model, tokens)
+        self._drop(self._trie.pop(model, tokens))
+
+    def _drop(self, entry: Any) -> None:
+        self._n_bytes -= entry.nbytes
+        self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+        self._dropped.append(entry.prompt_cache)
+
+    def _free_dropped(self) -> None:
+        with self.lock:
+            dropped, self._dropped = self._dropped, []
+        if dropped:
+            del dropped
+            gc.collect()  # cross-layer caches sit in reference cycles
+
+    def _evict(self, done: Callable[[], bool], protect: Collection[Key] = ()) -> None:
+        """Drop entries in mlx_lm's LRU order until ``done()``, skipping pinned ones."""
+        skipped = []
+        while not done() and len(self._lru):
+            model, tokens = self._lru.pop()
+            key = (model, tuple(tokens))
+            if self._pins[key] or key in protect:
+                skipped.append((model, tokens))
+                continue
+            self._drop(self._trie.pop(model, tokens))
+            self.counters["evicted"] += 1
+        # Back at the old end of their kind's queue, in their order.
+        for model, tokens in reversed(skipped):
+            kind = self._trie.get(model, tokens).cache_type
+            self._lru._lrus[kind].appendleft((model, tokens))
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        n_sequences = _NO_LIMIT if n_sequences is None else max(0, n_sequences)
+        n_bytes = _NO_LIMIT if n_bytes is None else max(0, n_bytes)
+        with self.lock:
+            self._evict(lambda: len(self) <= n_sequences and self.nbytes <= n_bytes)
+
+    # ---- the budget's side (handler threads, under the budget's lock) ----
+    def make_room(self, ticket: Any) -> None:
+        """Evict until ``ticket`` fits: its own intended entry last."""
+        budget = self.budget
+
+        def fits() -> bool:
+            return budget.reserved + self.nbytes + ticket.need <= budget.budget
+
+        with self.lock:
+            own = {ticket.reuse_key} if ticket.reuse_key is not None else set()
+            self._evict(fits, protect=own)
+            if not fits() and own:
+                self._evict(fits)  # then it starts from a fresh cache
+
+    def _has(self, key: Key) -> bool:
+        try:
+            self._trie.get(key[0], list(key[1]))
+        except KeyError:
+            return False
+        return True
+
+    def pin(self, ticket: Any) -> None:
+        """An admitted request will copy its entry: not evicted until it has."""
+        with self.lock:
+            key = ticket.reuse_key
+            if key is not None and not ticket.pinned and self._has(key):
+                self._pins[key] += 1
+                ticket.pinned = True
+
+    def unpin(self, ticket: Any) -> None:
+        if ticket is None:
+            return
+        with self.lock:
+            if ticket.pinned:
+                ticket.pinned = False
+                self._pins[ticket.reuse_key] -= 1
+                if self._pins[ticket.reuse_key] <= 0:
+                    del self._pins[ticket.reuse_key]
+
+    def snapshot(self) -> dict[str, Any]:
+        """What ``GET /limits`` reports under ``prompt_cache``."""
+        with self.lock:
+            return {"entries": len(self), "kept_bytes": self.nbytes,
+                    "max_entries": self.entry_limit, "max_bytes": self.byte_limit,
+                    "pinned": sum(self._pins.values()), "by_type": self.stats_by_type(),
+                    "counters": dict(self.counters)}
