@@ -264,7 +264,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     defaults = dict(QUICK if args.quick else FULL)
     context = args.context or defaults.pop("context", 2048)
     defaults.pop("context", None)
-    defaults.update({k: getattr(args, k) for k in ("predict", "windows", "per_method")
+    defaults.update({k: getattr(args, k) for k in ("predict", "windows", "per_method",
+                                                   "finalists", "min_decode", "chunk")
                      if getattr(args, k) is not None})
     model, tokenizer = load(args.model)
     if not budgets:
@@ -302,8 +303,14 @@ def _add_tune_parser(sub: Any) -> None:
     p.add_argument("--windows", type=int, default=None,
                    help="text windows per candidate (default 4; --quick 2)")
     p.add_argument("--per-method", type=int, default=None,
-                   help="candidates per family whose quality is measured, the largest "
+                   help="candidates per family whose quality is screened, the largest "
                    "within the budget (default 2)")
+    p.add_argument("--finalists", type=int, default=None,
+                   help="best screened candidates measured at a time with paired "
+                   "intervals on every window (default 2)")
+    p.add_argument("--min-decode", type=float, default=None, metavar="X",
+                   help="also require decode tokens/s >= X times dense's at --context, "
+                   "measured beside dense's in the same run (e.g. 1.0)")
     p.add_argument("--out", required=True, help="JSON file for the result")
     add_common_eval_arguments(p)
     p.set_defaults(func=cmd_tune)
