@@ -247,7 +247,7 @@ class Run:
         self.windows = token_windows(tokens, params.window, params.windows, params.seed)
         self.context, self.chunk = params.context, params.chunk
         self.recordings: dict[int, Recording] = {}
-        self.refs: dict[tuple[int, int], Any] = {}
+        self.refs: dict[tuple[Any, ...], Any] = {}
         self.seconds: dict[str, float] = {}
         self.left: dict[str, float] = {}
         self.attached: str | None = None
@@ -281,6 +281,13 @@ class Run:
             self.refs[w, n] = search.dense_reference(self.model, self.recording(w),
                                                      self.scored(w, n))
         return self.refs[w, n]
+
+    def final_reference(self, w: int, n: int) -> Any:
+        """Dense log-probs for each of the ``n`` tokens after window ``w``'s context."""
+        if ("final", w, n) not in self.refs:
+            self.refs["final", w, n] = search.final_reference(self.model, self.dense(w),
+                                                              self.scored(w, n))
+        return self.refs["final", w, n]
 
     def scored(self, w: int, n: int) -> list[int]:
         return self.windows[w][self.context:self.context + n]
@@ -430,41 +437,60 @@ def _groups(configs: list[KVCacheConfig]) -> list[list[KVCacheConfig]]:
 def _window_entry(got: dict[str, Any], spec: str) -> dict[str, Any]:
     own, dense = got[spec], got["dense"]
     return {"nll": own["nll"], "kl": own["kl"], "agree": own["agree"],
-            "decode_s": own["decode_s"], "dense_nll": dense["nll"],
-            "dense_decode_s": dense["decode_s"]}
+            "decode_s": own["decode_s"], "decode_steps": own["decode_steps"],
+            "dense_nll": dense["nll"], "dense_decode_s": dense["decode_s"],
+            "dense_decode_steps": dense["decode_steps"]}
 
 
 def run_finalists(run: Run, configs: list[KVCacheConfig], params: TuneParams) -> None:
-    """The harness run of every finalist the journal lacks, on every window; each group
-    (``_groups``) in another order per window, so that each finalist is built first on
-    some window and its real bytes are read there (alone when the windows run out)."""
-    todo = [c for c in configs if run.journal.get(f"final:{c.to_string()}") is None]
-    run.expect("finalists", COST["final"] * len(todo) * len(run.windows))
-    per: dict[str, dict[str, Any]] = {c.to_string(): {"windows": []} for c in todo}
+    """The harness run of every finalist the journal lacks, window after window. On the
+    first each runs alone beside dense and its real bytes are read (two alive at once
+    can share a buffer that one of them would not be charged for); on the others they
+    run together (``_groups``), and a finalist clearly worse than the best eligible
+    one on the windows so far stops (successive halving once more)."""
+    live = [c for c in configs if run.journal.get(f"final:{c.to_string()}") is None]
+    run.expect("finalists", COST["final"] * len(live) * len(run.windows))
+    per: dict[str, dict[str, Any]] = {c.to_string(): {"windows": []} for c in live}
     for w in range(len(run.windows)):
-        for group in _groups(todo):
-            k = w % len(group)
-            order = group[k:] + group[:k]
+        targets = run.scored(w, params.predict)
+        for group in ([[c] for c in live] if w == 0 else _groups(live)):
             t0 = time.perf_counter()
-            first = per[order[0].to_string()]
-            got = search.final_group(run.model, order, run.dense(w), run.scored(w, params.predict),
-                                     run.chunk, "real_prefill_over_fp16" not in first)
+            got = search.final_group(run.model, group, run.dense(w), targets,
+                                     run.final_reference(w, params.predict), run.chunk, w == 0)
             for c in group:
                 _add_window(per[c.to_string()], got, c.to_string(), w)
             run.done(COST["final"] * len(group), "finalists", t0)
+        stopped = _outclassed(live, per, params)
+        run.expect("finalists", max(0.0, run.left.get("finalists", 0.0) -
+                                    COST["final"] * len(stopped) * (len(run.windows) - w - 1)))
+        live = [c for c in live if c not in stopped]
     for spec, entry in per.items():
-        if "real_prefill_over_fp16" not in entry:
-            cfg = KVCacheConfig.from_string(spec)
-            entry.update(search.measure_alone(run.model, cfg, run.dense(0), run.chunk))
-        entry["real_over_fp16"] = max(entry["real_prefill_over_fp16"],
-                                      entry["declared_decode_over_fp16"])
         run.journal.put(f"final:{spec}", entry)
+
+
+def _outclassed(live: list[KVCacheConfig], per: dict[str, dict[str, Any]],
+                params: TuneParams) -> list[KVCacheConfig]:
+    """The finalists whose KL so far is clearly above the best eligible one's."""
+    rows = search.summarize({c.to_string(): per[c.to_string()] for c in live},
+                            seed=params.seed)
+    for c in live:
+        rows[c.to_string()].update(real_over_fp16=per[c.to_string()]["real_over_fp16"])
+    ok = [c for c in live if _eligible(rows[c.to_string()], params)]
+    if not ok:
+        return []
+    best = min(ok, key=lambda c: rows[c.to_string()]["kl"])
+    runs = {c.to_string(): [{"kl_tokens": w["kl"]} for w in per[c.to_string()]["windows"]]
+            for c in live}
+    return [c for c in live if c is not best and
+            _clearly_worse(runs[c.to_string()], runs[best.to_string()])]
 
 
 def _add_window(entry: dict[str, Any], got: dict[str, Any], spec: str, w: int) -> None:
     entry["windows"].append(_window_entry(got, spec))
-    entry.update({k: v for k, v in got[spec].items() if k.endswith("fp16")
-                  and (w == 0 or not k.startswith("declared_decode"))})
+    if w == 0:  # bytes: read on the first window
+        entry.update({k: v for k, v in got[spec].items() if k.endswith("fp16")})
+        entry["real_over_fp16"] = max(entry["real_prefill_over_fp16"],
+                                      entry["declared_decode_over_fp16"])
 
 
 def _eligible(row: dict[str, Any], params: TuneParams) -> bool:

@@ -13,10 +13,10 @@
 3. :func:`final_group`: the harness protocol of ``eval.quality`` for the finalists:
    each prefills the window itself, then teacher-forced decode steps, every step of
    every finalist right after dense's step on the same token (the order alternating),
-   so that decode speed relative to dense is measured side by side. The real
-   (allocator) bytes after the prefill are read as ``adapter.retained`` does, of the
-   finalist built first on a window (two alive at once can share a buffer that the
-   second would not be charged for). :func:`summarize` turns the per-token scores into KL,
+   so that decode speed relative to dense is measured side by side (dense's own
+   log-probs come from its recorded run: it steps only to be timed, every
+   ``DENSE_EVERY`` steps). The real (allocator) bytes after the prefill are read as
+   ``adapter.retained`` does, of the finalist built first. :func:`summarize` turns the per-token scores into KL,
    top-1 and ppl ratio with the harness's paired block-bootstrap intervals.
 """
 
@@ -188,27 +188,24 @@ def _prefill_measured(model: nn.Module, config: KVCacheConfig, context: list[int
                           "declared_prefill_over_fp16": s["held_bytes"] / s["fp16_bytes"]}
 
 
-def measure_alone(model: nn.Module, config: KVCacheConfig, rec: Recording,
-                  chunk: int) -> dict[str, float]:
-    """Real bytes after the context of ``config`` built alone (see ``final_group``)."""
-    KVCacheBuilder.detach(model)
-    caches, last, facts = _prefill_measured(model, config, rec.context, chunk, True)
-    del caches, last
-    KVCacheBuilder.detach(model)
-    return facts
+DENSE_EVERY = 4  # finals: a dense step (timed beside the finalists') every this many
 
 
 def final_group(model: nn.Module, configs: Sequence[KVCacheConfig], rec: Recording,
-                targets: Sequence[int], chunk: int, measure: bool) -> dict[str, Any]:
+                targets: Sequence[int], ref: mx.array, chunk: int,
+                measure: bool) -> dict[str, Any]:
     """The finalists' harness run on one window (see the module docstring): per
-    finalist, per-token NLL / KL / top-1 and decode seconds; dense's NLL and seconds.
-    With ``measure``, the real bytes of the first finalist, built before the others.
-    ``configs`` must not hold two methods that hook the model's modules."""
+    finalist, per-token NLL / KL / top-1 against ``ref`` (dense's log-probs for each
+    of ``targets``) and decode seconds; dense's NLL, and its seconds on the steps it
+    was timed beside them. With ``measure``, the real bytes of the first finalist,
+    built before the others. ``configs`` must not hold two methods that hook the
+    model's modules."""
     trim_dense(rec)
     names = ["dense"] + [c.to_string() for c in configs]
-    out: dict[str, Any] = {n: {"nll": [], "kl": [], "agree": [], "decode_s": 0.0}
-                           for n in names}
-    caches, lasts = [rec.dense], [rec.last]
+    out: dict[str, Any] = {n: {"nll": [], "kl": [], "agree": [], "decode_s": 0.0,
+                               "decode_steps": 0} for n in names}
+    out["dense"]["nll"] = [-float(ref[i, t].item()) for i, t in enumerate(targets)]
+    caches, lasts = [rec.dense], [None]
     for i, c in enumerate(configs):
         got, last, facts = _prefill_measured(model, c, rec.context, chunk, measure and not i)
         caches.append(got)
@@ -217,7 +214,7 @@ def final_group(model: nn.Module, configs: Sequence[KVCacheConfig], rec: Recordi
     for i, target in enumerate(targets):
         if i:
             lasts = _interleaved_step(model, names, caches, targets[i - 1], i, out)
-        _score_step(names, lasts, target, out)
+        _score_step(names, lasts, ref[i], target, out)
     for name, got in zip(names[1:], caches[1:]):
         out[name]["declared_decode_over_fp16"] = _ratio(got)
     del caches, lasts
@@ -227,22 +224,22 @@ def final_group(model: nn.Module, configs: Sequence[KVCacheConfig], rec: Recordi
 
 
 def _interleaved_step(model: nn.Module, names: list[str], caches: list[list[Any]],
-                      token: int, i: int, out: dict[str, Any]) -> list[mx.array]:
-    """One decode step of dense and every finalist, in alternating order so that a load
-    change hits them alike; step 1 (first use of the decode path) is not timed."""
-    order = list(range(len(names)))
+                      token: int, i: int, out: dict[str, Any]) -> list[Any]:
+    """One decode step of every finalist, and of dense every ``DENSE_EVERY`` steps, in
+    alternating order so that a load change hits them alike; step 1 (first use of
+    the decode path) is not timed."""
+    order = list(range(0 if i % DENSE_EVERY == 0 else 1, len(names)))
     logits: list[Any] = [None] * len(names)
-    for j in (order if i % 2 else order[::-1]):
+    for j in (order if (i + i // DENSE_EVERY) % 2 else order[::-1]):  # dense alternates too
         logits[j], dt = _step(model, caches[j], token)
         if i > 1:
             out[names[j]]["decode_s"] += dt
+            out[names[j]]["decode_steps"] += 1
     return logits
 
 
-def _score_step(names: list[str], lasts: list[mx.array], target: int,
+def _score_step(names: list[str], lasts: list[Any], ref: mx.array, target: int,
                 out: dict[str, Any]) -> None:
-    ref = log_probs(lasts[0].reshape(-1))
-    out["dense"]["nll"].append(-float(ref[target].item()))
     for name, logits in zip(names[1:], lasts[1:]):
         logq = log_probs(logits.reshape(-1))
         kl, agree = compare(logq, ref)
@@ -251,29 +248,37 @@ def _score_step(names: list[str], lasts: list[mx.array], target: int,
         out[name]["agree"].append(float(agree[0]))
 
 
+def final_reference(model: nn.Module, rec: Recording, targets: Sequence[int]) -> mx.array:
+    """Dense log-probs for each of ``targets`` (the tokens after the context): the
+    prefill's last logits, then the other tokens read as one chunk (for dense the
+    same thing as decode steps)."""
+    rest = dense_reference(model, rec, targets[:-1]) if len(targets) > 1 else None
+    first = log_probs(rec.last.reshape(1, -1))
+    return first if rest is None else mx.concatenate([first, rest], axis=0)
+
+
 def summarize(finals: dict[str, dict[str, Any]], block: int = 32, n_boot: int = 2000,
               level: float = LEVEL, seed: int = 0) -> dict[str, dict[str, Any]]:
-    """KL, top-1 and ppl ratio of every finalist with paired block-bootstrap intervals,
-    as ``eval.quality`` reports them (one draw of blocks for every row), and decode
-    speed relative to dense (summed over the windows)."""
-    specs = list(finals)
-    wins = finals[specs[0]]["windows"]
+    """KL, top-1 and ppl ratio of every finalist with paired block-bootstrap intervals
+    against dense on the same tokens, as ``eval.quality`` reports them (one draw of
+    blocks for the finalist's rows and dense's), and decode speed relative to dense
+    (seconds per step over the windows)."""
+    return {s: _summary(entry["windows"], block, n_boot, level, seed)
+            for s, entry in finals.items()}
+
+
+def _summary(wins: list[dict[str, Any]], block: int, n_boot: int, level: float,
+             seed: int) -> dict[str, Any]:
     ids = block_ids([len(w["dense_nll"]) for w in wins], block)
-    rows = [np.concatenate([w["dense_nll"] for w in wins])]
-    for key in ("nll", "kl", "agree"):
-        rows += [np.concatenate([w[key] for w in finals[s]["windows"]]) for s in specs]
-    boot = bootstrap_means(np.stack(rows), ids, n_boot, seed)
-    m, out = len(specs), {}
-    for i, s in enumerate(specs):
-        nll, kl, agree = rows[1 + i], rows[1 + m + i], rows[1 + 2 * m + i]
-        ratio = percentile_interval(boot[1 + i] - boot[0], level)
-        dense_s = sum(w["dense_decode_s"] for w in finals[s]["windows"])
-        own_s = sum(w["decode_s"] for w in finals[s]["windows"])
-        out[s] = {"kl": float(kl.mean()), "kl_ci": list(percentile_interval(boot[1 + m + i], level)),
-                  "top1": float(agree.mean()),
-                  "top1_ci": list(percentile_interval(boot[1 + 2 * m + i], level)),
-                  "ppl_ratio": float(np.exp(nll.mean() - rows[0].mean())),
-                  "ppl_ratio_ci": [float(np.exp(ratio[0])), float(np.exp(ratio[1]))],
-                  "decode_ratio": dense_s / own_s if own_s > 0 else float("nan"),
-                  "tokens": int(len(kl))}
-    return out
+    dense, nll, kl, agree = (np.concatenate([w[k] for w in wins])
+                             for k in ("dense_nll", "nll", "kl", "agree"))
+    boot = bootstrap_means(np.stack([dense, nll, kl, agree]), ids, n_boot, seed)
+    ratio = percentile_interval(boot[1] - boot[0], level)
+    per_step = [sum(w[f"{k}_s"] for w in wins) / max(1, sum(w[f"{k}_steps"] for w in wins))
+                for k in ("dense_decode", "decode")]
+    return {"kl": float(kl.mean()), "kl_ci": list(percentile_interval(boot[2], level)),
+            "top1": float(agree.mean()), "top1_ci": list(percentile_interval(boot[3], level)),
+            "ppl_ratio": float(np.exp(nll.mean() - dense.mean())),
+            "ppl_ratio_ci": [float(np.exp(ratio[0])), float(np.exp(ratio[1]))],
+            "decode_ratio": per_step[0] / per_step[1] if per_step[1] > 0 else float("nan"),
+            "tokens": int(kl.size), "windows": len(wins)}
