@@ -167,6 +167,12 @@ def test_min_decode_is_measured_beside_dense(tmp_path: Path, model, monkeypatch)
     rows = {c["spec"]: c for c in fast["candidates"]}
     assert fast["chosen"] != plain["chosen"] and rows[fast["chosen"]]["decode_ratio"] >= need
     assert rows[plain["chosen"]]["decode_ratio"] < need
+    # With the screens' own speed check on, the slow one is no longer a finalist at all.
+    monkeypatch.setattr(tune, "SPEED_SLACK", 0.85)
+    again = tune.run_tune(model, CharTokenizer(), dataclasses.replace(params, min_decode=need),
+                          out, text=TEXT, progress=False)
+    rows = {c["spec"]: c for c in again["candidates"]}
+    assert rows[plain["chosen"]]["screen_decode_ratio"] < need and "kl" not in rows[plain["chosen"]]
     with pytest.raises(ValueError, match="decode >= 1000.0 x dense; the fastest measured"):
         tune.run_tune(model, CharTokenizer(), dataclasses.replace(params, min_decode=1000.0),
                       out, text=TEXT, progress=False)
@@ -187,6 +193,24 @@ def test_finalists_are_the_screens_that_the_best_does_not_beat_clearly() -> None
     # c is clearly worse than a: not a finalist with it (but next, if a and b fail).
     assert [[c.method for c in b] for b in batches] == \
         [["turboquant", "kivi"], ["affine", "snapkv"]]
+
+
+def test_a_finalist_clearly_worse_than_an_eligible_one_stops() -> None:
+    rng = np.random.default_rng(1)
+    base = rng.exponential(0.01, 64)
+
+    def entry(kl: np.ndarray, real: float) -> dict:
+        win = {"nll": (1 + kl).tolist(), "kl": kl.tolist(), "agree": [1.0] * 64,
+               "decode_s": 1.0, "decode_steps": 10, "dense_nll": [1.0] * 64,
+               "dense_decode_s": 1.0, "dense_decode_steps": 10}
+        return {"windows": [win], "real_over_fp16": real}
+
+    live = [KVCacheConfig.from_string(s) for s in ("turboquant", "kivi", "affine")]
+    per = {"turboquant": entry(base, 0.2), "kivi": entry(base * 3 + 0.01, 0.2),
+           "affine": entry(base * 0.5, 0.3)}  # the best KL, but above the budget
+    params = _params(0.25)
+    # kivi lost clearly to turboquant, the best within the budget; affine is over it.
+    assert tune._outclassed(live, per, params) == {"kivi": "turboquant"}
 
 
 def test_an_impossible_budget_names_the_cheapest_candidate(tmp_path: Path, model) -> None:
@@ -284,3 +308,32 @@ def test_cli_passes_the_search_options(monkeypatch, tmp_path: Path) -> None:
                   "--finalists", "3", "--out", str(tmp_path / "t.json")])
     p = got["params"]
     assert (p.min_decode, p.finalists, p.context, p.per_method) == (1.0, 3, 1024, 1)
+
+
+def test_bytes_are_extrapolated_only_where_they_grow_linearly() -> None:
+    """Bytes that grow per token are extrapolated from a short prefix to the context;
+    bytes that grow in steps (a buffer of 256 tokens, a block of 64) are not."""
+
+    class Grows:  # stands for a model: each call adds its tokens to every cache
+        def __call__(self, x, cache):
+            for c in cache:
+                c.offset += x.shape[1]
+
+    class Cache:  # what cache_stats reads of a cache of ours (``stats``)
+        caches, state = (), []
+
+        def __init__(self, held) -> None:
+            self.offset, self.held = 0, held
+
+        def stats(self) -> dict:
+            return {"held_bytes": self.held(self.offset), "accounted_bytes": 0,
+                    "fp16_bytes": 4 * self.offset}
+
+    context = list(range(1000))
+    per_token = [Cache(lambda n: 100 + 3 * n) for _ in range(2)]
+    got = tune_search._extrapolated(Grows(), per_token, context)
+    assert got == pytest.approx((100 + 3 * 1000) / (4 * 1000))  # not 128 tokens' 0.95
+    stepped = [Cache(lambda n: 1000 * (n // 256 + 1)) for _ in range(2)]
+    assert tune_search._extrapolated(Grows(), stepped, context) is None
+    lumpy = [Cache(lambda n: 100 + 3 * n + 500 * (n // 64)) for _ in range(2)]
+    assert tune_search._extrapolated(Grows(), lumpy, context) is None

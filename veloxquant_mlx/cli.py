@@ -248,6 +248,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from veloxquant_mlx.eval.tune import (
         FULL,
         QUICK,
+        NoFit,
         TuneParams,
         budget_for_memory,
         frontier_markdown,
@@ -270,9 +271,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     model, tokenizer = load(args.model)
     if not budgets:
         budgets = [budget_for_memory(model, _parse_bytes(args.max_memory), context)]
-    params = TuneParams(budget=budgets[0], context=context, seed=args.seed,
-                        only=tuple(m for m in (args.only or "").split(",") if m),
-                        **defaults)
+    try:
+        params = TuneParams(budget=budgets[0], context=context, seed=args.seed,
+                            only=tuple(m for m in (args.only or "").split(",") if m),
+                            **defaults)
+    except ValueError as exc:  # an option out of range: the user's to fix
+        raise ConfigError(str(exc)) from exc
     text = load_text(args.text)
     if len(budgets) > 1:
         result = run_frontier(model, tokenizer, params, budgets, args.out, text=text,
@@ -280,7 +284,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(frontier_markdown(result))
         print(f"wrote {args.out} (one result per budget under 'frontier')")
         return 0
-    result = run_tune(model, tokenizer, params, args.out, text=text, progress=args.progress)
+    try:
+        result = run_tune(model, tokenizer, params, args.out, text=text,
+                          progress=args.progress)
+    except NoFit as exc:  # an answer about the model, not a failure
+        raise ConfigError(str(exc)) from exc
     print(tune_markdown(result))
     print(f"wrote {args.out} (load it with --config {args.out})")
     return 0
@@ -299,12 +307,14 @@ def _add_tune_parser(sub: Any) -> None:
                    help="tokens of context to tune for (default 2048; --quick 1024)")
     p.add_argument("--only", default=None, help="comma-separated methods to consider")
     p.add_argument("--predict", type=int, default=None,
-                   help="tokens scored per window (default 128; --quick 64)")
+                   help="decode tokens a finalist is scored on per window (default 128; "
+                   "--quick 64)")
     p.add_argument("--windows", type=int, default=None,
-                   help="text windows per candidate (default 4; --quick 2)")
+                   help="text windows: one per round of screens, every one for the "
+                   "finalists (default 4; --quick 2)")
     p.add_argument("--per-method", type=int, default=None,
                    help="candidates per family whose quality is screened, the largest "
-                   "within the budget (default 2)")
+                   "within the budget (default 2; --quick 1)")
     p.add_argument("--finalists", type=int, default=None,
                    help="best screened candidates measured at a time with paired "
                    "intervals on every window (default 2)")

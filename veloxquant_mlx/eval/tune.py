@@ -19,12 +19,13 @@ survivors of each stage the next, dearer one (``eval.tune_search``).
    half, until at most twice ``finalists`` are left (or the windows run out). With
    ``min_decode`` each step is timed beside a dense step, and candidates clearly slower
    than it allows go to the end of the line.
-4. Finalists (the ``finalists`` best screens): the harness protocol of ``eval.quality``
-   on every window (own prefill, teacher-forced decode, paired block-bootstrap
-   intervals of KL, top-1 and ppl ratio), decode speed relative to dense measured step
-   by step beside dense's, real (allocator) bytes after the prefill. A finalist above
-   the budget, or slower than ``min_decode``, is out; when none is left the next
-   finalists are run.
+4. Finalists (the best screen and, of the next ``finalists - 1``, those it does not beat
+   clearly): the harness protocol of ``eval.quality`` on every window (own prefill,
+   teacher-forced decode, paired block-bootstrap intervals of KL, top-1 and ppl
+   ratio), decode speed relative to dense measured step by step beside dense's, real
+   (allocator) bytes after the prefill. After each window a finalist clearly worse
+   than the best eligible one stops. A finalist above the budget, or slower than
+   ``min_decode``, is out; when none is left the next finalists are run.
 5. Choice: the lowest KL; finalists whose KL intervals overlap the best are reported as
    ties, and the cheapest of those wins.
 
@@ -63,6 +64,10 @@ QUICK = {"context": 1024, "predict": 64, "windows": 2, "per_method": 1, "calib_t
          "screen_tokens": 8}
 FULL = {"predict": 128, "windows": 4}
 SPEED_SLACK = 0.85  # a screen's few timed steps drop a candidate only this far below
+
+
+class NoFit(ValueError):
+    """No candidate meets the budget (and the decode speed asked)."""
 
 
 @dataclass
@@ -254,7 +259,7 @@ class Run:
         # smoothing=0: time left from the mean rate so far, as tasks differ in length
         self.bar = tqdm(total=0, desc="tune", disable=not progress, smoothing=0,
                         bar_format="{desc}: {percentage:3.0f}%|{bar}| "
-                                   "[{elapsed} elapsed, about {remaining} left] {postfix}")
+                                   "[{elapsed} elapsed, about {remaining} left]")
 
     def recording(self, w: int) -> Recording:
         """Window ``w``'s dense run, its calls recorded (made again if they were dropped)."""
@@ -309,14 +314,14 @@ class Run:
     def done(self, units: float, stage: str, t0: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
         self.left[stage] = max(0.0, self.left.get(stage, 0.0) - units)
-        self.bar.set_postfix_str(stage, refresh=False)
+        self.bar.set_description_str(f"tune ({stage})", refresh=False)
         self.bar.update(units)
 
 
 # About how long one task of each stage takes, relative to the others (for the progress
 # bar's estimate of time left): bytes of one candidate, one screen, one finalist on one
 # window (its prefill and decode steps), on the embedded model at 1024 tokens.
-COST = {"calibration": 6.0, "recording": 5.0, "bytes": 0.3, "screen": 2.0, "final": 16.0}
+COST = {"calibration": 5.0, "recording": 5.0, "bytes": 0.25, "screen": 2.8, "final": 21.0}
 
 
 def measure_bytes(run: Run, configs: list[KVCacheConfig]) -> dict[str, float | str]:
@@ -390,10 +395,11 @@ def _too_slow(entries: list[dict[str, Any]], params: TuneParams) -> bool:
 
 
 def screens(run: Run, pool: list[KVCacheConfig], params: TuneParams
-            ) -> tuple[list[KVCacheConfig], dict[str, list[dict[str, Any]]]]:
+            ) -> tuple[list[KVCacheConfig], list[KVCacheConfig], dict[str, list[dict[str, Any]]]]:
     """Rounds of screens, one window each, halving the pool until at most twice
-    ``finalists`` are left; returns every screened candidate ranked (the last round's
-    survivors first, by mean screen KL) and each one's screen figures per round."""
+    ``finalists`` are left; returns the screened candidates ranked (the last round's
+    survivors first, by mean screen KL), those too slow for ``min_decode`` apart (in
+    the same order), and each one's screen figures per round."""
     figures: dict[str, list[dict[str, Any]]] = {}
     pool = list(pool)
     out: list[KVCacheConfig] = []
@@ -410,7 +416,7 @@ def screens(run: Run, pool: list[KVCacheConfig], params: TuneParams
             break
         out = pool[keep:] + out
         pool = pool[:keep]
-    return pool + out + slow, figures
+    return pool + out, slow, figures
 
 
 def _screen_kl(entries: list[dict[str, Any]]) -> float:
@@ -461,28 +467,31 @@ def run_finalists(run: Run, configs: list[KVCacheConfig], params: TuneParams) ->
                 _add_window(per[c.to_string()], got, c.to_string(), w)
             run.done(COST["final"] * len(group), "finalists", t0)
         stopped = _outclassed(live, per, params)
+        for spec, best in stopped.items():
+            per[spec]["outclassed_by"] = best
         run.expect("finalists", max(0.0, run.left.get("finalists", 0.0) -
                                     COST["final"] * len(stopped) * (len(run.windows) - w - 1)))
-        live = [c for c in live if c not in stopped]
+        live = [c for c in live if c.to_string() not in stopped]
     for spec, entry in per.items():
         run.journal.put(f"final:{spec}", entry)
 
 
 def _outclassed(live: list[KVCacheConfig], per: dict[str, dict[str, Any]],
-                params: TuneParams) -> list[KVCacheConfig]:
-    """The finalists whose KL so far is clearly above the best eligible one's."""
+                params: TuneParams) -> dict[str, str]:
+    """The finalists whose KL so far is clearly above the best eligible one's: spec ->
+    the best's spec."""
     rows = search.summarize({c.to_string(): per[c.to_string()] for c in live},
                             seed=params.seed)
     for c in live:
         rows[c.to_string()].update(real_over_fp16=per[c.to_string()]["real_over_fp16"])
     ok = [c for c in live if _eligible(rows[c.to_string()], params)]
     if not ok:
-        return []
+        return {}
     best = min(ok, key=lambda c: rows[c.to_string()]["kl"])
     runs = {c.to_string(): [{"kl_tokens": w["kl"]} for w in per[c.to_string()]["windows"]]
             for c in live}
-    return [c for c in live if c is not best and
-            _clearly_worse(runs[c.to_string()], runs[best.to_string()])]
+    return {c.to_string(): best.to_string() for c in live if c is not best and
+            _clearly_worse(runs[c.to_string()], runs[best.to_string()])}
 
 
 def _add_window(entry: dict[str, Any], got: dict[str, Any], spec: str, w: int) -> None:
@@ -534,7 +543,8 @@ def finalists(run: Run, batches: list[list[KVCacheConfig]], params: TuneParams
         rows = search.summarize(entries, seed=params.seed)
         for s, row in rows.items():
             row.update({k: v for k, v in entries[s].items() if k != "windows"})
-        ok = [s for s in specs if _eligible(rows[s], params)]
+        # A finalist stopped early lost clearly to an eligible one: not a tie of it.
+        ok = [s for s in specs if _eligible(rows[s], params) and "outclassed_by" not in rows[s]]
         if ok:
             return rows, ok
     return rows, []
@@ -559,16 +569,16 @@ def _candidates(run: Run, params: TuneParams) -> list[KVCacheConfig]:
 
 
 def _no_fit(ratios: dict[str, float], rows: dict[str, dict[str, Any]],
-            params: TuneParams) -> ValueError:
+            params: TuneParams) -> NoFit:
     if not ratios:
-        return ValueError("tune: no candidate runs on this model")
+        return NoFit("tune: no candidate runs on this model")
     if not rows:
         cheapest = min(ratios, key=ratios.get)
-        return ValueError(f"tune: no candidate fits budget={params.budget}; the cheapest, "
-                          f"{cheapest}, holds {ratios[cheapest]:.3f} of fp16")
+        return NoFit(f"tune: no candidate fits budget={params.budget}; the cheapest, "
+                     f"{cheapest}, holds {ratios[cheapest]:.3f} of fp16")
     fits = [s for s in rows if rows[s]["real_over_fp16"] <= params.budget] or list(rows)
     fastest = max(fits, key=lambda s: rows[s]["decode_ratio"])
-    return ValueError(f"tune: no candidate fits budget={params.budget} with decode >= "
+    return NoFit(f"tune: no candidate fits budget={params.budget} with decode >= "
                       f"{params.min_decode} x dense; the fastest measured, {fastest}, "
                       f"decodes at {rows[fastest]['decode_ratio']:.2f} x dense and holds "
                       f"{rows[fastest]['real_over_fp16']:.3f} of fp16")
@@ -599,9 +609,11 @@ def tune_budget(run: Run, params: TuneParams) -> dict[str, Any]:
     picks = shortlist(configs, ratios, params)
     if not picks:  # (refused ones are in the result's "refused", with the reason)
         raise _no_fit(ratios, {}, params)
-    ranking, figures = screens(run, picks, params)
+    ranking, slow, figures = screens(run, picks, params)
     run.drop_calls()
-    rows, ok = finalists(run, contenders(ranking, figures, params.finalists), params)
+    batches = contenders(ranking, figures, params.finalists) if ranking else []
+    batches += [slow[i:i + params.finalists] for i in range(0, len(slow), params.finalists)]
+    rows, ok = finalists(run, batches, params)
     if not ok:
         raise _no_fit(ratios, rows, params)
     chosen, ties = choose({s: rows[s] for s in ok}, {s: rows[s]["real_over_fp16"] for s in ok})
@@ -669,7 +681,7 @@ def run_frontier(model: nn.Module, tokenizer: Any, params: TuneParams,
         for budget in budgets:
             try:
                 frontier.append(tune_budget(run, dataclasses.replace(params, budget=budget)))
-            except ValueError as exc:
+            except NoFit as exc:
                 frontier.append({"params": {"budget": budget}, "error": str(exc)})
     finally:
         run.bar.close()

@@ -3,7 +3,7 @@
 1. :func:`declared_ratio`: what a candidate's caches declare holding after the context,
    over fp16, without a model run of its own: the dense run replayed into its caches
    (``eval.tune_replay``). Caches that cannot be replayed are prefilled through the
-   model on a short prefix (three chunks of ``PROBE`` tokens); when the bytes grow by the
+   model on a short prefix (four chunks of ``PROBE`` tokens); when the bytes grow by the
    same amount per chunk they are extrapolated to the context, else the whole context
    is prefilled.
 2. :func:`screen`: a short paired KL and top-1 against dense: the replayed (or prefilled)
@@ -11,13 +11,15 @@
    run's log-probs of the same tokens (read as one chunk: for dense the same thing).
    With ``speed`` each step is timed beside a dense step.
 3. :func:`final_group`: the harness protocol of ``eval.quality`` for the finalists:
-   each prefills the window itself, then teacher-forced decode steps, every step of
-   every finalist right after dense's step on the same token (the order alternating),
-   so that decode speed relative to dense is measured side by side (dense's own
-   log-probs come from its recorded run: it steps only to be timed, every
-   ``DENSE_EVERY`` steps). The real (allocator) bytes after the prefill are read as
-   ``adapter.retained`` does, of the finalist built first. :func:`summarize` turns the per-token scores into KL,
-   top-1 and ppl ratio with the harness's paired block-bootstrap intervals.
+   each prefills the window itself, then teacher-forced decode steps, each finalist's
+   step right before or after the others' and (every ``DENSE_EVERY`` steps) dense's on
+   the same token, the order alternating, so that decode speed relative to dense is
+   measured side by side (dense's log-probs come from its recorded run; it steps only
+   to be timed). The real (allocator) bytes after the prefill are read as
+   ``adapter.retained`` does, of the finalist built first; the declared bytes after
+   ``BYTES_STEPS`` decode steps beside them. :func:`summarize` turns the per-token
+   scores into KL, top-1 and ppl ratio with the harness's paired block-bootstrap
+   intervals.
 """
 
 from __future__ import annotations
@@ -92,9 +94,9 @@ def _replayed_ratio(rec: Recording, caches: list[Any]) -> float:
 
 
 def _extrapolated(model: nn.Module, caches: list[Any], context: list[int]) -> float | None:
-    """Bytes at the context from three chunks of ``PROBE`` tokens, when they grow
-    linearly (equal steps after the first chunk); ``None`` otherwise."""
-    n = 3
+    """Bytes at the context from four chunks of ``PROBE`` tokens, when they grow
+    linearly (the two steps after the second chunk equal); ``None`` otherwise."""
+    n = 4
     if len(context) <= n * PROBE:
         return None
     held, fp16 = [], []
@@ -105,9 +107,9 @@ def _extrapolated(model: nn.Module, caches: list[Any], context: list[int]) -> fl
         held.append(s["held_bytes"])
         fp16.append(s["fp16_bytes"])
     steps = {(b - a, d - c) for a, b, c, d in zip(held[1:], held[2:], fp16[1:], fp16[2:])}
-    if len(steps) != 1:
+    (dh, df), = steps if len(steps) == 1 else [(0, 0)]
+    if dh <= 0 or df <= 0:  # not linear, or grown in steps larger than the probe's
         return None
-    (dh, df), = steps
     more = (len(context) - n * PROBE) / PROBE
     return (held[-1] + more * dh) / (fp16[-1] + more * df)
 
@@ -189,6 +191,9 @@ def _prefill_measured(model: nn.Module, config: KVCacheConfig, context: list[int
 
 
 DENSE_EVERY = 4  # finals: a dense step (timed beside the finalists') every this many
+# Finals: the bytes after a few decode steps too (what a method adds per new token, at
+# about the context; ``adapter.retained``'s reading after decode).
+BYTES_STEPS = 4
 
 
 def final_group(model: nn.Module, configs: Sequence[KVCacheConfig], rec: Recording,
@@ -214,9 +219,10 @@ def final_group(model: nn.Module, configs: Sequence[KVCacheConfig], rec: Recordi
     for i, target in enumerate(targets):
         if i:
             lasts = _interleaved_step(model, names, caches, targets[i - 1], i, out)
+        if i == min(BYTES_STEPS, len(targets) - 1):
+            for name, got in zip(names[1:], caches[1:]):
+                out[name]["declared_decode_over_fp16"] = _ratio(got)
         _score_step(names, lasts, ref[i], target, out)
-    for name, got in zip(names[1:], caches[1:]):
-        out[name]["declared_decode_over_fp16"] = _ratio(got)
     del caches, lasts
     KVCacheBuilder.detach(model)
     trim_dense(rec)
