@@ -129,4 +129,24 @@ def test_cache_stats_counts_foreign_float32_layers_at_float16():
     assert sliding and sliding[0].keys.dtype == mx.float32
     s = cache_stats(caches)
     ours = sum(c.stats()["fp16_bytes"] for c in caches if isinstance(c, SnapKVCache))
-    assert s["fp16_bytes"] == ours + sum(c.nbytes // 2 for c in sliding)
+    # The ring's window (16 tokens) in float16, not the 40 the prefill left it holding.
+    assert sliding[0].keys.shape[2] == 40 and sliding[0].max_size == 16
+    assert s["fp16_bytes"] == ours + sum(c.nbytes // 2 * 16 // 40 for c in sliding)
+
+
+@pytest.mark.parametrize("method", ["none", "streaming:sink=2,window=6", "snapkv:capacity=16,window=4",
+                                    "kivi:bits=4,window=32,group_size=32"])
+def test_the_fp16_basis_is_the_models_own_cache_whatever_the_method(method):
+    """What a method's ratio divides by is the same for every method: the model's own
+    caches in float16, so a sliding layer counts its window, never the tokens it dropped."""
+    model = tiny_model("gemma3_text")
+    x = mx.zeros((1, 40), dtype=mx.int32)
+    own = make_prompt_cache(model)
+    model(x, cache=own)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig.from_string(method))
+    model(x, cache=caches)
+    windows = [getattr(c, "max_size", 40) for c in own]
+    assert min(windows) < 40  # the sliding layers did drop tokens
+    want = sum(min(w, 40) * c.keys.shape[1] * (c.keys.shape[3] + c.values.shape[3]) * 2
+               for w, c in zip(windows, own))
+    assert cache_stats(caches)["fp16_bytes"] == cache_stats(own)["fp16_bytes"] == want

@@ -16,7 +16,9 @@ class _Echo(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.seen.append(body["messages"])
-        answer = f"answer-{len(body['messages'])}"
+        self.answer(f"answer-{len(body['messages'])}")
+
+    def answer(self, answer: str) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -52,3 +54,48 @@ def test_each_turn_resends_the_history_with_the_answers() -> None:
     assert sorted(row["by_turn"]) == [0, 1, 2] and row["failed"] == 0
     table = chatbench.markdown([{**row, "server": chatbench.REFERENCE}, row])
     assert table.count("| stand-in | 3 |") == 1 and "1.00" in table
+
+
+class _Keeper(_Echo):
+    """Keeps the last ``capacity`` prompts (LRU) and counts reused tokens as a server's
+    ``/limits`` does; a prompt's tokens are its words."""
+
+    capacity, lru, reused = 3, [], 0
+
+    def do_GET(self) -> None:  # noqa: N802
+        body = json.dumps({"prompt_cache": {"entries": len(self.lru),
+                                            "counters": {"reused_tokens": self.reused}},
+                           "kept_bytes": 10 * len(self.lru), "max_kv_memory": 100}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:  # noqa: N802
+        n = int(self.headers["Content-Length"])
+        prompt = json.loads(self.rfile.read(n))["messages"][0]["content"]
+        cls = type(self)
+        if prompt in cls.lru:
+            cls.reused += len(prompt.split())
+            cls.lru.remove(prompt)
+        cls.lru = (cls.lru + [prompt])[-cls.capacity:]
+        self.answer("ok")
+
+
+def test_warm_conversations_are_the_ones_served_from_their_kept_cache() -> None:
+    _Keeper.lru, _Keeper.reused = [], 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Keeper)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        got = chatbench.warm_conversations(type("S", (), {"port": port})(),
+                                           chatbench.WarmConfig(conversations=5, tokens=80))
+    finally:
+        server.shutdown()
+    # Five sent, three kept: only those three come back from their caches.
+    assert (got["kept"], got["verified"]) == (3, 3)
+    assert got["kept_bytes"] == 30 and got["cold_s_p50"] is not None
+    table = chatbench.warm_markdown([{"server": "none", **got},
+                                     {"server": "kivi", **{**got, "kept": 6}}],
+                                    chatbench.WarmConfig(5, 80))
+    assert "| kivi | 6 | 3 | 2.00 |" in table

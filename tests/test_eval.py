@@ -459,3 +459,23 @@ def test_real_model_cache_perplexity_and_memory():
     assert abs(r["real_prefill_bytes"] - expected) <= 0.05 * expected
     assert r["real_over_declared_prefill"] == pytest.approx(1.0, abs=0.05)
     mx.clear_cache()
+
+
+def test_retrieval_prompt_format_plain_skips_the_chat_template():
+    class Templated(CharTokenizer):
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return "<user>" + messages[0]["content"] + "<assistant>"
+
+    tok = Templated()
+    chat = make_sample(tok, "passkey", 600, seed=2)
+    plain = make_sample(tok, "passkey", 600, seed=2, prompt_format="plain")
+    assert tok.decode(chat.prompt_tokens).startswith("<user>")
+    text = tok.decode(plain.prompt_tokens)
+    assert "<user>" not in text and text.endswith(" is") and plain.answer in text
+    assert len(plain.prompt_tokens) <= 600
+    with pytest.raises(ValueError, match="prompt_format='chat': this tokenizer has no"):
+        make_sample(CharTokenizer(), "passkey", 600, prompt_format="chat")
+    with pytest.raises(ValueError, match="prompt_format='text' is not allowed"):
+        make_sample(tok, "passkey", 600, prompt_format="text")

@@ -175,7 +175,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     record = run_eval(model, tokenizer, specs, args.task, params, text=text,
                       text_name=args.text, seed=args.seed, chunk=args.chunk, recon=args.recon,
                       depths=depths, n_needles=args.needles, max_tokens=args.max_new_tokens,
-                      progress=args.progress)
+                      progress=args.progress, prompt_format=args.prompt_format)
     print(eval_markdown(record))
     for path in write_eval_outputs(record, args.json, args.plot):
         print(f"wrote {path}")
@@ -351,6 +351,9 @@ def _add_eval_parser(sub: Any) -> None:
                    help="retrieval: samples per method and context (default 20; --quick 6)")
     p.add_argument("--needles", type=int, default=4, help="needle_multi / kv: needles / pairs")
     p.add_argument("--max-new-tokens", type=int, default=16, help="retrieval: answer length")
+    p.add_argument("--prompt-format", choices=("auto", "chat", "plain"), default="auto",
+                   help="retrieval: the chat template when the tokenizer has one (auto), "
+                   "or plain text for a base model that continues text (plain)")
     p.add_argument("--recon", action="store_true",
                    help="ppl: per-layer K/V reconstruction error vs dense")
     p.add_argument("--plot", default=None,

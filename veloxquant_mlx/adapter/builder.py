@@ -179,30 +179,51 @@ class KVCacheBuilder:
         uninstall_attention_routing(model)  # this model's lease only
 
 
+def _foreign_fp16(c: Any, nbytes: int) -> int:
+    """The model's own cache's tokens in float16, counted as ours are: the tokens it
+    attends (a ring's window at most), not its spare capacity or a prefill's overhang."""
+    keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+    offset = getattr(c, "offset", None)
+    if not (isinstance(keys, mx.array) and isinstance(values, mx.array)
+            and isinstance(offset, int) and keys.ndim == 4):
+        itemsize = keys.itemsize if isinstance(keys, mx.array) else 2
+        return nbytes * 2 // itemsize  # e.g. recurrent state: its bytes in float16
+    tokens = min(offset, getattr(c, "max_size", None) or offset)
+    b, h, _, d = keys.shape
+    return b * h * tokens * (d + values.shape[-1]) * 2
+
+
 def cache_stats(caches: list[Any]) -> dict[str, Any]:
     """Totals over all layers: held, accounted and fp16-equivalent bytes and ratio.
 
     Layers that keep the model's own cache (e.g. recurrent layers) count their
-    ``nbytes`` as held and accounted, and the same tokens in float16 as fp16-equivalent.
+    ``nbytes`` as held and accounted, and the tokens they attend in float16 as
+    fp16-equivalent, as ours do (a sliding layer: its window), so that every method's
+    ratio has the same denominator.
     """
-    held = accounted = fp16 = 0
+    held = accounted = fp16 = flops = 0
+    foreign = []
     for c in caches:
         if isinstance(c, CompressedCache) or hasattr(c, "caches"):  # ours, or a batch of ours
             s = c.stats()
             held += s["held_bytes"]
             accounted += s["accounted_bytes"]
             fp16 += s["fp16_bytes"]
+            flops += s.get("decode_flops", 0)
         else:
             n = getattr(c, "nbytes", 0) or 0
             held += n
             accounted += n
-            # The same tokens in float16 (the model's own cache may hold float32).
-            keys = getattr(c, "keys", None)
-            itemsize = keys.itemsize if isinstance(keys, mx.array) else 2
-            fp16 += n * 2 // itemsize
+            fp16 += _foreign_fp16(c, n)
+            foreign.append(_foreign_fp16(c, n))
+    # The model's own caches attend densely; its query heads per KV head are ours'.
+    ours = next((c for c in caches if isinstance(c, CompressedCache)), None)
+    rep = ours.query_heads() / ours.layer.n_kv_heads if ours is not None else 1.0
+    flops += int(sum(foreign) * rep)  # fp16 bytes: 2 x (d + dv) per token and KV head
     return {
         "held_bytes": held,
         "accounted_bytes": accounted,
         "fp16_bytes": fp16,
         "ratio": held / fp16 if fp16 else 0.0,
+        "decode_flops": flops,
     }

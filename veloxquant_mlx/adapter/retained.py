@@ -66,6 +66,7 @@ def _point(real: int, caches: list[Any], tag: str) -> dict[str, Any]:
         f"declared_{tag}_bytes": s["held_bytes"],
         f"accounted_{tag}_bytes": s["accounted_bytes"],
         f"fp16_{tag}_bytes": s["fp16_bytes"],
+        f"decode_flops_{tag}": s["decode_flops"],
         f"real_over_declared_{tag}": _ratio(real, s["held_bytes"]),
         f"real_over_fp16_{tag}": _ratio(real, s["fp16_bytes"]),
         f"declared_over_fp16_{tag}": _ratio(s["held_bytes"], s["fp16_bytes"]),

@@ -376,9 +376,31 @@ class CompressedCache(_BaseCache, ABC):
         return total
 
     def fp16_bytes(self) -> int:
-        """Bytes a dense float16 cache would hold for the same tokens."""
+        """Bytes a dense float16 cache would hold for the same tokens: on a local
+        (sliding-window) layer mlx_lm's own cache never holds more than the window."""
         width = self.layer.n_kv_heads * (self.layer.head_dim + self.layer.v_head_dim)
-        return max(self.batch_size, 1) * self.offset * width * 2 if self.offset else 0
+        tokens = self.offset
+        if self.layer.sliding_window:
+            tokens = min(tokens, self.layer.sliding_window)
+        return max(self.batch_size, 1) * tokens * width * 2 if tokens else 0
+
+    def attended_tokens(self) -> int:
+        """Tokens a decode query attends here (a local layer: its window at most)."""
+        if self.layer.sliding_window:
+            return min(self.offset, self.layer.sliding_window)
+        return self.offset
+
+    def query_heads(self) -> int:
+        """Query heads of the layer's attention (its KV heads if it does not say)."""
+        return int(getattr(self.layer.attention, "n_heads", 0) or self.layer.n_kv_heads)
+
+    def decode_flops(self) -> int:
+        """Floating-point operations of one decode query's attention over this cache
+        (2 per multiply-add of its matmuls): dense attention's over the attended tokens.
+        A method that rebuilds keys or attends in a factor space says what it costs."""
+        info = self.layer
+        return (2 * max(self.batch_size, 1) * self.query_heads() * self.attended_tokens()
+                * (info.head_dim + info.v_head_dim))
 
     def stats(self) -> dict[str, Any]:
         """Held bytes, accounted bytes, fp16-equivalent bytes, tokens and ratio."""
@@ -392,6 +414,7 @@ class CompressedCache(_BaseCache, ABC):
             "accounted_bytes": self.accounted_bytes(),
             "fp16_bytes": fp16,
             "ratio": (held / fp16) if fp16 else 0.0,
+            "decode_flops": self.decode_flops(),
         }
 
     # ---- mlx_lm protocol ----

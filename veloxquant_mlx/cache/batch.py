@@ -176,10 +176,10 @@ class BatchedCache(_BaseCache):
         return sum(c.nbytes for c in self.caches)
 
     def stats(self) -> dict[str, Any]:
-        """The rows' stats summed (held, accounted and fp16-equivalent bytes)."""
+        """The rows' stats summed (held, accounted and fp16-equivalent bytes, FLOPs)."""
         rows = [c.stats() for c in self.caches]
-        out = {k: sum(r[k] for r in rows) for k in ("held_bytes", "accounted_bytes",
-                                                     "fp16_bytes")}
+        out = {k: sum(r.get(k, 0) for r in rows)
+               for k in ("held_bytes", "accounted_bytes", "fp16_bytes", "decode_flops")}
         out["ratio"] = out["held_bytes"] / out["fp16_bytes"] if out["fp16_bytes"] else 0.0
         return out
 

@@ -345,6 +345,9 @@ class SnapKVCache(ks.StoreCapabilities, CompressedCache):
         self.offset -= n
         return n
 
+    def attended_tokens(self) -> int:
+        return self.offset - self.evicted
+
     # ---- storage ----
     def held_arrays(self) -> list[mx.array]:
         out = [self.kbuf, self.vbuf, self.obs_queries, *(self.sink_kv or []),

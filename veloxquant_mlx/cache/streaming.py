@@ -373,6 +373,9 @@ class StreamingCache(ks.StoreCapabilities, CompressedCache):
         self.offset, self._pending = keep, None
         return n
 
+    def attended_tokens(self) -> int:
+        return min(self.offset, self.sink + self.window)
+
     # ---- storage ----
     def held_arrays(self) -> list[mx.array]:
         out = [self.keys, self.values, *(self.sink_kv or []), *(self.win or []),

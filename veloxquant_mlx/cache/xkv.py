@@ -535,6 +535,25 @@ class XKVCache(CompressedCache):
             self._settle_group()
         return out
 
+    def decode_flops(self) -> int:
+        """One query's attention as ``attend`` runs it: per basis, keys rebuilt from
+        their factors (``n r H D``, stored before RoPE) or scores in factor space
+        (``Hq (D r + r n)``); values always in factor space (``Hq (n r + r Dv)``);
+        sinks and window densely."""
+        info, hq = self.layer, self.query_heads()
+        hd, hv, total, factored = info.head_dim, info.v_head_dim, 0, 0
+        for j, basis in enumerate(self.bases):
+            end = self.bases[j + 1].start if j + 1 < len(self.bases) else self.win_start
+            n, rk, rv = end - basis.start, basis.parts["keys"][2], basis.parts["values"][2]
+            if n <= 0:
+                continue
+            keys = (n * rk * info.n_kv_heads * hd + hq * n * hd if self.pre_rope
+                    else hq * (hd * rk + rk * n))
+            total += keys + hq * (n * rv + rv * hv)
+            factored += n
+        total += hq * (self.offset - factored) * (hd + hv)
+        return 2 * max(self.batch_size, 1) * total
+
     # ---- storage accounting ----
     def _coordinator_arrays(self) -> list[mx.array]:
         """Leader: what the coordinator still holds for the group (published blocks and

@@ -264,6 +264,19 @@ class XQuantCache(CompressedCache):
                                "installed")
         return self.proj.rematerialize(self._parts(mx.float32), dtype or mx.float32)
 
+    def decode_flops(self) -> int:
+        """One query's attention as the X hook runs it: keys rebuilt from the stored
+        width ``w_k`` (``n w_k H D``), scores (``Hq n D``), values in the stored space
+        then through their factor (``Hq (n w_v + w_v Dv)``); the codes' decoding,
+        RoPE and (XQuant-CL) the deltas' sums are element-wise, not counted."""
+        if not self.widths:
+            return super().decode_flops()
+        info, hq, n = self.layer, self.query_heads(), self.offset
+        wk, wv = self.widths[0], self.widths[-1]
+        total = (n * wk * info.n_kv_heads * info.head_dim + hq * n * info.head_dim
+                 + hq * (n * wv + wv * info.v_head_dim))
+        return 2 * max(self.batch_size, 1) * total
+
     # ---- storage ----
     def stored_arrays(self) -> list[mx.array]:
         """The per-token storage: codes, then the window."""

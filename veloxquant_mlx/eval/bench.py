@@ -14,9 +14,14 @@ it is stable. ``peak_over_base_bytes`` is MLX's peak minus what was alive before
 caches were built (the weights): the caches plus every transient of prefill and decode.
 
 Roofline: a decode step reads every weight once and every byte the cache holds
-(``accounted_bytes``). If decode were bound by those bytes, a method could decode at most
-``(weights + dense KV) / (weights + method KV)`` times as fast as dense: the
-``roofline_limit`` column beside the measured ``decode_ratio`` (docs/cpu-performance.md).
+(``accounted_bytes``), and does the model's matmuls (2 FLOPs per weight) and each
+layer's attention (``decode_flops``: dense attention's, or what a method that rebuilds
+keys or attends in a factor space declares). With this machine's measured streaming
+read rate and matmul rate (``machine_rates``), a step takes at least
+``max(bytes / read rate, FLOPs / matmul rate)``; ``roofline_limit`` is dense's bound
+over the method's, the most decode/dense could be, beside the measured
+``decode_ratio`` and ``of_limit`` (their quotient). ``bytes_limit`` counts bytes only
+(docs/cpu-performance.md).
 
 ``profile_decode`` (``python -m veloxquant_mlx.eval.bench --profile``): where the time of
 one decode step goes, per method (whole step, the model without KV, attention, decoding
@@ -81,6 +86,46 @@ def roofline_limit(weights: int, dense_kv: int, method_kv: int) -> float:
     return (weights + dense_kv) / (weights + method_kv)
 
 
+def weight_flops(model: nn.Module) -> int:
+    """FLOPs of one token through the model's matmuls (2 per multiply-add): its linear
+    layers, and the embedding where it is also the output head (no ``lm_head``)."""
+    total, embeddings, head = 0, [], False
+    for name, m in model.named_modules():
+        head = head or name.split(".")[-1] == "lm_head"
+        if isinstance(m, nn.QuantizedLinear):
+            total += m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits
+        elif isinstance(m, nn.Linear):
+            total += m.weight.size
+        elif isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):
+            out, width = m.weight.shape
+            embeddings.append(out * (width * 32 // m.bits if hasattr(m, "bits") else width))
+    return 2 * (total + (0 if head or not embeddings else max(embeddings)))
+
+
+def machine_rates(repeats: int = 5) -> dict[str, float]:
+    """This machine's float32 streaming read rate (bytes/s, a 64 MiB sum) and matmul
+    rate (FLOP/s, [2048, 1024] x [1024, 1024]), the best of ``repeats``."""
+    a = mx.random.normal((4096, 4096))
+    x, w = mx.random.normal((2048, 1024)), mx.random.normal((1024, 1024))
+    mx.eval(a, x, w)
+
+    def best(f: Callable[[], mx.array]) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            mx.eval(f())
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])
+
+    return {"read_bytes_per_s": a.nbytes / best(lambda: a.sum()),
+            "matmul_flops_per_s": 2 * 2048 * 1024 * 1024 / best(lambda: x @ w)}
+
+
+def step_bound(nbytes: float, flops: float, rates: dict[str, float]) -> float:
+    """Seconds a decode step takes at least: bound by its bytes or by its FLOPs."""
+    return max(nbytes / rates["read_bytes_per_s"], flops / rates["matmul_flops_per_s"])
+
+
 def bench_methods(model: nn.Module, tokens: Sequence[int], specs: Sequence[Spec] | str,
                   contexts: Sequence[int] = (512, 2048, 4096), decode_steps: int = 32,
                   repeats: int = 3, chunk: int = 512,
@@ -99,6 +144,7 @@ def bench_methods(model: nn.Module, tokens: Sequence[int], specs: Sequence[Spec]
     rows: list[dict[str, Any]] = []
     bar = tqdm(total=len(contexts) * repeats * len(methods), disable=not progress,
                desc="bench", leave=False)
+    weights, flops, rates = weight_bytes(model), weight_flops(model), None
     for context in contexts:
         runs: dict[str, list[dict[str, Any]]] = {m.label: [] for m in methods}
         for rep in range(repeats):
@@ -108,16 +154,28 @@ def bench_methods(model: nn.Module, tokens: Sequence[int], specs: Sequence[Spec]
                                                 chunk))
                 bar.update(1)
         block = [_summarize(m, context, decode_steps, runs[m.label]) for m in methods]
-        weights = weight_bytes(model)
+        rates = rates or machine_rates()
         for r in block:
             r["prefill_ratio"] = r["prefill_tok_s"] / block[0]["prefill_tok_s"]
             r["decode_ratio"] = r["decode_tok_s"] / block[0]["decode_tok_s"]
-            r["weight_bytes"] = weights
-            r["roofline_limit"] = roofline_limit(weights, block[0]["accounted_bytes"],
-                                                 r["accounted_bytes"])
+            _roofline(r, block[0], weights, flops, rates)
         rows.extend(block)
     bar.close()
     return rows
+
+
+def _roofline(r: dict[str, Any], dense: dict[str, Any], weights: int, flops: int,
+              rates: dict[str, float]) -> None:
+    """A row's bytes and FLOPs per step, its limits and how close it came."""
+    r.update(weight_bytes=weights, weight_flops=flops, **rates,
+             step_flops=flops + r["decode_flops"],
+             bytes_limit=roofline_limit(weights, dense["accounted_bytes"],
+                                        r["accounted_bytes"]))
+    dense_t = step_bound(weights + dense["accounted_bytes"], flops + dense["decode_flops"],
+                         rates)
+    r["roofline_limit"] = dense_t / step_bound(weights + r["accounted_bytes"],
+                                               r["step_flops"], rates)
+    r["of_limit"] = r["decode_ratio"] / r["roofline_limit"]
 
 
 def _summarize(method: Method, context: int, decode_steps: int,
@@ -137,6 +195,7 @@ def _summarize(method: Method, context: int, decode_steps: int,
         "held_decode_bytes": last["declared_decode_bytes"],
         "accounted_bytes": last["accounted_prefill_bytes"],
         "fp16_bytes": last["fp16_prefill_bytes"],
+        "decode_flops": last["decode_flops_prefill"],
         "mem_ratio": last["real_over_fp16_prefill"],
         "mem_ratio_decode": last["real_over_fp16_decode"],
         "declared_ratio": last["declared_over_fp16_prefill"],

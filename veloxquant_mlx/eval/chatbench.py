@@ -162,6 +162,85 @@ def bench(methods: Sequence[str], cfg: ChatConfig, max_kv_memory: str,
     return rows
 
 
+@dataclass
+class WarmConfig:
+    """Conversations of ``tokens`` prompt tokens each, sent one after the other."""
+
+    conversations: int = 24
+    tokens: int = 4096
+    timeout: float = 600.0
+
+
+def _kept(server: ServerProcess) -> dict[str, Any]:
+    return (_limits(server) or {}).get("prompt_cache") or {}
+
+
+def warm_conversations(server: ServerProcess, cfg: WarmConfig) -> dict[str, Any]:
+    """How many finished conversations of ``cfg.tokens`` tokens the server keeps warm.
+
+    Every conversation is sent once (one answer token), then each is sent again, the
+    most recently used first, until one is not served from its kept cache (the server's
+    reuse counters grew by less than its prompt). ``kept`` is what ``/limits`` listed
+    after the first pass (entries charged by the allocator's measure); ``verified``
+    shows they are real, and is a lower bound: a re-sent request needs room for itself
+    beside the kept ones, so with a full budget it evicts the oldest."""
+    prompts = [[{"role": "user", "content": words(cfg.tokens - 16, ENGLISH, seed=i + 1)}]
+               for i in range(cfg.conversations)]
+    cold, warm, verified = [], [], 0
+    for messages in prompts:
+        t0 = time.perf_counter()
+        _, tokens, _, error = stream_turn(server.port, messages, 1, cfg.timeout)
+        if error:
+            raise RuntimeError(f"filling the prompt cache failed: {error}")
+        cold.append(time.perf_counter() - t0)
+    kept = _kept(server)
+    entries = int(kept.get("entries", 0))
+    for messages in reversed(prompts):
+        before = kept.get("counters", {}).get("reused_tokens", 0)
+        t0 = time.perf_counter()
+        stream_turn(server.port, messages, 1, cfg.timeout)
+        seconds = time.perf_counter() - t0
+        now = _kept(server)
+        if now.get("counters", {}).get("reused_tokens", 0) - before < 0.9 * (cfg.tokens - 16):
+            break  # a cold one prefills in full and evicts: the older ones prove nothing
+        verified += 1
+        warm.append(seconds)
+        kept = now
+    limits = _limits(server) or {}
+    return {"kept": entries, "verified": verified,
+            "cold_s_p50": percentile(cold, 0.5), "warm_s_p50": percentile(warm, 0.5),
+            "kept_bytes": limits.get("kept_bytes"),
+            "max_kv_memory": limits.get("max_kv_memory")}
+
+
+def warm_bench(methods: Sequence[str], cfg: WarmConfig, max_kv_memory: str,
+               extra: Sequence[str] = (), log_dir: Path | None = None
+               ) -> list[dict[str, Any]]:
+    """``warm_conversations`` for each method within the same ``--max-kv-memory``."""
+    model = model_folder()
+    rows = []
+    for m in methods:
+        log = log_dir and log_dir / f"warm-{m.replace(':', '_').replace(',', '_')}.log"
+        flags = ["--prompt-cache-size", str(cfg.conversations + 1), *extra]
+        with ServerProcess(m, max_kv_memory, model=model, extra=flags, log_path=log) as srv:
+            rows.append({"server": m, **warm_conversations(srv, cfg)})
+    return rows
+
+
+def warm_markdown(rows: Sequence[dict[str, Any]], cfg: WarmConfig) -> str:
+    base = next((r for r in rows if r["server"] == "none"), None)
+    out = [f"| method | kept warm after the conversations of {cfg.tokens} tokens "
+           "| re-sent and served warm | vs dense (kept) | kept MiB | cold turn p50 s "
+           "| warm turn p50 s |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = r["kept"] / base["kept"] if base and base["kept"] else None
+        kept = r["kept_bytes"] / 2**20 if r["kept_bytes"] is not None else None
+        out.append(f"| {r['server']} | {r['kept']} | {r['verified']} | {_f(ratio)} | {_f(kept)} | "
+                   f"{_f(r['cold_s_p50'])} | {_f(r['warm_s_p50'])} |")
+    return "\n".join(out)
+
+
 def _f(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -222,6 +301,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra flag for veloxquant serve, e.g. --serve-arg=--prompt-cache-size=16")
     p.add_argument("--deadline", type=float, default=3600.0, help="seconds per server")
+    p.add_argument("--warm", type=int, default=None, metavar="N",
+                   help="instead: N conversations of --warm-tokens each, sent one after "
+                   "the other, then again; how many each method keeps warm")
+    p.add_argument("--warm-tokens", type=int, default=4096)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--log-dir", default=None)
@@ -239,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
+    if args.warm is not None:
+        return _main_warm(args, log_dir)
     rows = bench(args.method or ["kivi:bits=4"], cfg, args.max_kv_memory, log_dir)
     print(markdown(rows))
     if args.json:
@@ -246,6 +331,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         plot(rows, args.plot)
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def _main_warm(args: argparse.Namespace, log_dir: Path | None) -> int:
+    if args.warm < 1 or args.warm_tokens < 64:
+        raise SystemExit(f"--warm={args.warm} --warm-tokens={args.warm_tokens}: --warm "
+                         "an integer >= 1, --warm-tokens >= 64")
+    cfg = WarmConfig(args.warm, args.warm_tokens)
+    rows = warm_bench(args.method or ["none", "kivi:bits=4"], cfg, args.max_kv_memory,
+                      args.serve_arg, log_dir)
+    print(warm_markdown(rows, cfg))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    return 0
 
 
 if __name__ == "__main__":

@@ -71,13 +71,26 @@ def _key_name(rng: random.Random) -> str:
     return "-".join(rng.sample(_WORDS, 2))
 
 
-def chat_tokens(tokenizer: Any, message: str, answer_prefix: str = "") -> list[int]:
+PROMPT_FORMATS = ("auto", "chat", "plain")
+
+
+def chat_tokens(tokenizer: Any, message: str, answer_prefix: str = "",
+                prompt_format: str = "auto") -> list[int]:
     """Token ids of ``message`` as a user turn, then the assistant's ``answer_prefix``.
 
     Starting the assistant's turn with the answer's lead-in ("The pass key is") makes
     small chat models answer instead of chatting; the answer itself is generated.
+    ``prompt_format``: ``"auto"`` uses the tokenizer's chat template when it has one,
+    ``"plain"`` never (a base model, which continues text instead of following turns).
     """
-    if getattr(tokenizer, "chat_template", None):
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format={prompt_format!r} is not allowed: one of "
+                         f"{list(PROMPT_FORMATS)}")
+    template = getattr(tokenizer, "chat_template", None)
+    if prompt_format == "chat" and not template:
+        raise ValueError("prompt_format='chat': this tokenizer has no chat template; "
+                         "use 'plain'")
+    if template and prompt_format != "plain":
         text = tokenizer.apply_chat_template([{"role": "user", "content": message}],
                                              add_generation_prompt=True, tokenize=False)
         return encode(tokenizer, text + answer_prefix)
@@ -96,7 +109,8 @@ def _filler_pieces(task: str, rng: random.Random, text: str | None) -> list[str]
 
 
 def make_sample(tokenizer: Any, task: str, context: int, depth: float = 0.5, seed: int = 0,
-                n_needles: int = 4, text: str | None = None) -> Sample:
+                n_needles: int = 4, text: str | None = None,
+                prompt_format: str = "auto") -> Sample:
     """A ``task`` prompt of about ``context`` tokens (never more) with its answer.
 
     ``depth`` in [0, 1] places the queried needle (0: start, 1: end of the haystack).
@@ -112,6 +126,9 @@ def make_sample(tokenizer: Any, task: str, context: int, depth: float = 0.5, see
     needles, question, prefix, answer = _needles(task, rng, n_needles)
     intro, piece_gen = _haystack(task, rng, text)
 
+    def tokens(message: str) -> list[int]:
+        return chat_tokens(tokenizer, message, prefix, prompt_format)
+
     def build(n: int) -> str:
         pieces = piece_gen(n)
         # Queried needle at the depth; distractors spread evenly over the haystack.
@@ -124,7 +141,7 @@ def make_sample(tokenizer: Any, task: str, context: int, depth: float = 0.5, see
             body = "{" + body.rstrip(", \n") + "}\n"
         return f"{intro}\n\n{body}\n{question}"
 
-    base = len(chat_tokens(tokenizer, answer_prefix=prefix, message=build(0)))
+    base = len(tokens(build(0)))
     if base > context:
         raise ValueError(
             f"context={context} is too short for task {task!r}: the prompt without "
@@ -132,17 +149,16 @@ def make_sample(tokenizer: Any, task: str, context: int, depth: float = 0.5, see
         )
     # Grow the haystack by doubling, then bisect the piece count that fits.
     lo, hi = 0, 1
-    while len(chat_tokens(tokenizer, answer_prefix=prefix, message=build(hi))) <= context:
+    while len(tokens(build(hi))) <= context:
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if len(chat_tokens(tokenizer, answer_prefix=prefix, message=build(mid))) <= context:
+        if len(tokens(build(mid))) <= context:
             lo = mid
         else:
             hi = mid
     prompt = build(lo)
-    return Sample(task, prompt, answer, context, depth, seed,
-                  chat_tokens(tokenizer, prompt, prefix))
+    return Sample(task, prompt, answer, context, depth, seed, tokens(prompt))
 
 
 def _needles(task: str, rng: random.Random,
@@ -241,14 +257,14 @@ def mcnemar_exact(b: int, c: int) -> float:
 # ------------------------------------------------------------------ evaluation
 def make_samples(tokenizer: Any, task: str, context: int, depths: Sequence[float],
                  samples: int, seed: int = 0, n_needles: int = 4,
-                 text: str | None = None) -> list[Sample]:
+                 text: str | None = None, prompt_format: str = "auto") -> list[Sample]:
     """``samples`` prompts: depths round-robin, seeds ``seed, seed + 1, ...``."""
     if samples < 1:
         raise ValueError(f"samples={samples} is not allowed: an integer >= 1")
     if not depths:
         raise ValueError("depths is empty: give at least one depth in [0, 1]")
     return [make_sample(tokenizer, task, context, depths[i % len(depths)], seed + i,
-                        n_needles, text) for i in range(samples)]
+                        n_needles, text, prompt_format) for i in range(samples)]
 
 
 def _answers(model: nn.Module, tokenizer: Any, method: Method, items: list[Sample],
@@ -303,7 +319,8 @@ def evaluate_retrieval(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] |
                        depths: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9), samples: int = 20,
                        seed: int = 0, n_needles: int = 4, max_tokens: int = 16,
                        chunk: int = 512, text: str | None = None, progress: bool = False,
-                       memory: bool = True, level: float = 0.95) -> list[dict[str, Any]]:
+                       memory: bool = True, level: float = 0.95,
+                       prompt_format: str = "auto") -> list[dict[str, Any]]:
     """Accuracy of each method on the same ``samples`` generated prompts (exact match).
 
     One row per method, the dense reference first; see the module doc for the
@@ -315,7 +332,7 @@ def evaluate_retrieval(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] |
     methods = resolve_methods(specs)
     check_model_context(model, context + max_tokens, "context + max_tokens")
     items = make_samples(tokenizer, task, context, list(depths), samples, seed, n_needles,
-                         text)
+                         text, prompt_format)
     bar = tqdm(total=len(items) * len(methods), disable=not progress,
                desc=f"{task} {context}", leave=False)
     runs = {m.label: _answers(model, tokenizer, m, items, max_tokens, chunk, bar)

@@ -58,7 +58,9 @@ BENCH_COLUMNS = [
     ("prefill/dense", "prefill_ratio", lambda v: _fmt(v, 2)),
     ("decode tok/s", "decode_tok_s", lambda v: _fmt(v, 1)),
     ("decode/dense", "decode_ratio", lambda v: _fmt(v, 2)),
+    ("GFLOPs/step", "step_flops", lambda v: _fmt(v / 1e9, 2)),
     ("roofline limit", "roofline_limit", lambda v: _fmt(v, 2)),
+    ("of limit", "of_limit", lambda v: _fmt(v, 2)),
     ("MLX peak MiB", "peak_mem_bytes", _mib),
     ("peak over base MiB", "peak_over_base_bytes", _mib),
     ("RSS MiB", "rss_bytes", _mib),
@@ -78,7 +80,8 @@ def run_eval(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
              text: str | None = None, text_name: str | None = None, seed: int = 0,
              chunk: int = 512, recon: bool = False, depths: Sequence[float] = (0.1, 0.3,
              0.5, 0.7, 0.9), n_needles: int = 4, max_tokens: int = 16,
-             argv: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
+             argv: list[str] | None = None, progress: bool = True,
+             prompt_format: str = "auto") -> dict[str, Any]:
     """Quality or retrieval of every method at each of ``params["contexts"]``.
 
     ``params``: ``EVAL_FULL`` keys (contexts, predict, windows, block, n_boot, samples,
@@ -101,7 +104,8 @@ def run_eval(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
         for ctx in p["contexts"]:
             rows = evaluate_retrieval(model, tokenizer, specs, task, ctx, list(depths),
                                       p["samples"], seed, n_needles, max_tokens, chunk,
-                                      text=text, progress=progress)
+                                      text=text, progress=progress,
+                                      prompt_format=prompt_format)
             results.append({"context": ctx, "samples": p["samples"], "depths": list(depths),
                             "rows": rows})
     return run_record(argv, task=task, seed=seed, params=p, text=text_name or
@@ -207,9 +211,10 @@ def sweep_markdown(record: dict[str, Any], png_name: str | None = "bench.png") -
         "interleaved repeats. real = bytes MLX's allocator keeps alive for the caches "
         "(after prefill / after the decode steps); declared = cache_stats held bytes; "
         "MLX peak = mx.get_peak_memory() over prefill and decode, peak over base = the "
-        "same minus what was alive before (the weights); roofline limit = (weights + "
-        "dense KV bytes) / (weights + method KV bytes), the decode/dense a step bound by "
-        "the bytes it reads would reach (docs/cpu-performance.md).",
+        "same minus what was alive before (the weights); roofline limit = the decode/dense "
+        "a step bound by its bytes (weights + KV) or its FLOPs (matmuls + attention), at "
+        "this machine's measured read and matmul rates, would reach; of limit = "
+        "decode/dense over it (docs/cpu-performance.md).",
         "", markdown_table(record["speed"], BENCH_COLUMNS), ""]
     if png_name:
         out += [f"![real memory vs quality]({png_name})", ""]

@@ -1,0 +1,99 @@
+"""The FLOP-and-byte model of a decode step that ``veloxquant bench`` prints beside the
+measured speed: what each cache declares it costs, and the limits derived from it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
+from veloxquant_mlx.eval import bench
+from veloxquant_mlx.testing.tiny import tiny_model
+
+
+def _filled(model: nn.Module, spec: str, n: int) -> list:
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig.from_string(spec))
+    vocab = model.model.embed_tokens.weight.shape[0]
+    mx.eval(model((mx.arange(1, n + 1) % vocab)[None], cache=caches))
+    mx.eval(model(mx.array([[3]]), cache=caches))  # methods that code after attention
+    return caches
+
+
+def test_dense_attention_costs_two_flops_per_multiply_add() -> None:
+    model = tiny_model("llama")
+    attn = model.layers[0].self_attn
+    caches = _filled(model, "none", 40)
+    info = caches[0].layer
+    one = 2 * attn.n_heads * 41 * (info.head_dim + info.v_head_dim)
+    assert attn.n_heads > info.n_kv_heads  # query heads count, not KV heads
+    assert caches[0].decode_flops() == one
+    assert cache_stats(caches)["decode_flops"] == len(model.layers) * one
+
+
+def test_evicting_caches_attend_only_what_they_keep() -> None:
+    model = tiny_model("llama")
+    dense = _filled(model, "none", 60)[0].decode_flops()
+    kept = _filled(model, "streaming:sink=2,window=14", 60)[0].decode_flops()
+    assert kept == dense * 16 // 61
+
+
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_factor_space_attention_costs_rank_over_head_dim(pre_rope: bool) -> None:
+    """xKV at rank r attends in factor space: about r / head_dim of dense attention's
+    multiplies (keys stored before RoPE are rebuilt first, which costs more)."""
+    model = tiny_model("llama")
+    n, r = 1024, 8
+    dense = cache_stats(_filled(model, "none", n))["decode_flops"]
+    spec = (f"xkv:group_layers=2,block=64,rank_k={r},rank_v={r},window=0,sink=0,"
+            f"pre_rope={pre_rope}")
+    caches = _filled(model, spec, n)
+    got = cache_stats(caches)["decode_flops"]
+    d = caches[0].layer.head_dim
+    if not pre_rope:
+        assert got == pytest.approx(dense * r / d, rel=0.05)
+    else:
+        rebuild = len(model.layers) * 2 * n * r * caches[0].layer.n_kv_heads * d
+        assert got == pytest.approx(dense * (r / d) / 2 + dense / 2 + rebuild, rel=0.05)
+
+
+def test_xquant_rebuilds_keys_from_the_stored_width() -> None:
+    model = tiny_model("llama")
+    n = 64
+    dense = cache_stats(_filled(model, "none", n))["decode_flops"]
+    caches = _filled(model, "xquant:bits=8", n)
+    c = caches[0]
+    wk = c.widths[0]
+    rebuild = 2 * (n + 1) * wk * c.layer.n_kv_heads * c.layer.head_dim
+    assert c.decode_flops() > rebuild
+    assert cache_stats(caches)["decode_flops"] > dense + len(model.layers) * rebuild * 0.9
+
+
+def test_weight_flops_count_the_tied_head_once() -> None:
+    model = tiny_model("llama", tie_word_embeddings=True)
+    linear = sum(m.weight.size for _, m in model.named_modules() if isinstance(m, nn.Linear))
+    vocab, width = model.model.embed_tokens.weight.shape
+    assert bench.weight_flops(model) == 2 * (linear + vocab * width)
+    untied = tiny_model("llama", tie_word_embeddings=False)
+    linear = sum(m.weight.size for _, m in untied.named_modules() if isinstance(m, nn.Linear))
+    assert bench.weight_flops(untied) == 2 * linear  # lm_head is a Linear
+
+
+def test_the_limit_is_set_by_bytes_or_by_flops_whichever_binds() -> None:
+    rates = {"read_bytes_per_s": 1e9, "matmul_flops_per_s": 1e10}
+    dense = {"accounted_bytes": 400, "decode_flops": 1000, "decode_ratio": 1.0}
+    small = {"accounted_bytes": 100, "decode_flops": 1000, "decode_ratio": 1.2}
+    heavy = {"accounted_bytes": 100, "decode_flops": 20_000, "decode_ratio": 0.5}
+    for r in (dense, small, heavy):
+        bench._roofline(r, dense, 600, 2000, rates)
+    assert dense["roofline_limit"] == pytest.approx(1.0)
+    # Fewer bytes, same FLOPs: the byte limit, (600 + 400) / (600 + 100).
+    assert small["roofline_limit"] == pytest.approx(1000 / 700) == small["bytes_limit"]
+    # 22,000 FLOPs at 1e10/s (2.2 us) outweigh its 700 bytes at 1e9/s (0.7 us).
+    assert heavy["roofline_limit"] == pytest.approx(1.0 / 2.2)
+    assert heavy["of_limit"] == pytest.approx(0.5 * 2.2)
+
+
+def test_machine_rates_are_measured() -> None:
+    rates = bench.machine_rates(repeats=1)
+    assert rates["read_bytes_per_s"] > 1e8 and rates["matmul_flops_per_s"] > 1e8
