@@ -133,3 +133,16 @@ def test_the_allocation_is_the_best_within_the_budget_on_a_small_case() -> None:
             for combo in itertools.product(itertools.product(range(3), repeat=2), repeat=3)
             if 300 + sum(10 * (a + b) for a, b in combo) <= budget * 1000)
         assert cost <= best * 1.25, (budget, cost, best)
+
+
+def test_a_ladder_the_layers_refuse_is_left_out_not_fatal() -> None:
+    """Head dim 256 (Gemma 3): the affine quantizer's ladder is refused by name, the
+    codebook ladder still calibrates."""
+    from veloxquant_mlx.eval import tune
+
+    model = tiny_model("llama", head_dim=256, num_attention_heads=4)
+    ladders = mixed.ladders()
+    got = tune.calibrate(model, TEXT[:64], [ladders["turboquant-affine"],
+                                            ladders["turboquant"]], context=64)
+    assert isinstance(got[0], str) and "head_dim" in got[0] and "256" in got[0]
+    assert isinstance(got[1], mixed.Calibration)

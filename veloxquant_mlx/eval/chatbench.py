@@ -277,6 +277,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
         idx = sorted(r["by_turn"])
         ax.plot([i + 1 for i in idx], [r["by_turn"][i]["latency_p50_s"] for i in idx],
                 marker="o", label=r["server"])
+    ax.set_xticks(sorted({i + 1 for r in rows for i in r["by_turn"]}))
     ax.set_xlabel("turn")
     ax.set_ylabel("turn latency p50 (s)")
     ax.set_title("Chat turns: whole history resent each turn")

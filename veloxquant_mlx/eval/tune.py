@@ -148,17 +148,23 @@ def calibration_tokens(tokens: list[int], params: TuneParams) -> list[int]:
 
 
 def calibrate(model: nn.Module, tokens: Sequence[int], ladders: Sequence[mixed.Ladder],
-              context: int) -> list[mixed.Calibration]:
+              context: int) -> list[mixed.Calibration | str]:
     """``mixed.calibrate`` of several ladders on one sensitivity pass: the pass (a
     forward and a backward of the model) is most of a calibration's cost, and the same
-    for every ladder; the distortions and bytes of each ladder are cheap."""
+    for every ladder; the distortions and bytes of each ladder are cheap. A ladder
+    whose settings this model's layers refuse gives the refusal instead."""
     infos = KVCacheBuilder.layer_infos(model)
     KVCacheBuilder.detach(model)
     slots, kv, f = mixed.fisher(model, tokens, infos)
-    out = []
+    out: list[mixed.Calibration | str] = []
     for ladder in ladders:
-        costs = [mixed.knob_costs(ladder, infos[s], (kv[2 * j], kv[2 * j + 1]),
-                                  (f[2 * j], f[2 * j + 1])) for j, s in enumerate(slots)]
+        try:
+            costs = [mixed.knob_costs(ladder, infos[s], (kv[2 * j], kv[2 * j + 1]),
+                                      (f[2 * j], f[2 * j + 1]))
+                     for j, s in enumerate(slots)]
+        except ValueError as exc:  # e.g. a quantizer that needs another head size
+            out.append(f"{ladder.method}: {exc}")
+            continue
         shapes: dict[tuple[int, int, int], dict[str, list[int]]] = {}
         for s in slots:
             info = infos[s]
@@ -191,12 +197,15 @@ def mixed_candidates(model: nn.Module, tokens: list[int], params: TuneParams,
         if run is not None:
             run.done(COST["calibration"], "calibration", t0)
         for name, cal in zip(todo, got):
-            journal.put(key.format(name), {
+            journal.put(key.format(name), {"refused": cal} if isinstance(cal, str) else {
                 "slots": cal.slots, "costs": cal.costs, "nbytes": cal.nbytes,
                 "fp16_bytes": cal.fp16_bytes, "fixed_bytes": cal.fixed_bytes})
     out: list[KVCacheConfig] = []
     for name, ladder in ladders.items():
-        cal = mixed.Calibration(ladder, **journal.get(key.format(name)))
+        entry = journal.get(key.format(name))
+        if "refused" in entry:
+            continue  # this model's layers refuse the ladder's settings
+        cal = mixed.Calibration(ladder, **entry)
         out += [cal.config(params.budget * margin) for margin in (1.0, 0.96, 0.92)]
     return list({c.to_string(): c for c in out}.values())
 
