@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
+from veloxquant_mlx.cache.step_cost import StepCost
 from veloxquant_mlx.options import MethodOptions, config_error
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ def _meta_str(value: Any) -> str:
     return str(value)
 
 
-class CompressedCache(_BaseCache, ABC):
+class CompressedCache(StepCost, _BaseCache, ABC):
     """Base class of every veloxquant cache (one per layer); see the module docstring."""
 
     # Registry facts (``veloxquant methods``), set by each method class.
@@ -376,31 +377,13 @@ class CompressedCache(_BaseCache, ABC):
         return total
 
     def fp16_bytes(self) -> int:
-        """Bytes a dense float16 cache would hold for the same tokens: on a local
-        (sliding-window) layer mlx_lm's own cache never holds more than the window."""
-        width = self.layer.n_kv_heads * (self.layer.head_dim + self.layer.v_head_dim)
-        tokens = self.offset
-        if self.layer.sliding_window:
-            tokens = min(tokens, self.layer.sliding_window)
-        return max(self.batch_size, 1) * tokens * width * 2 if tokens else 0
-
-    def attended_tokens(self) -> int:
-        """Tokens a decode query attends here (a local layer: its window at most)."""
-        if self.layer.sliding_window:
-            return min(self.offset, self.layer.sliding_window)
-        return self.offset
-
-    def query_heads(self) -> int:
-        """Query heads of the layer's attention (its KV heads if it does not say)."""
-        return int(getattr(self.layer.attention, "n_heads", 0) or self.layer.n_kv_heads)
-
-    def decode_flops(self) -> int:
-        """Floating-point operations of one decode query's attention over this cache
-        (2 per multiply-add of its matmuls): dense attention's over the attended tokens.
-        A method that rebuilds keys or attends in a factor space says what it costs."""
+        """Bytes a dense float16 cache (mlx_lm's for this layer: a local layer's holds
+        its window at most) would hold for the same tokens."""
         info = self.layer
-        return (2 * max(self.batch_size, 1) * self.query_heads() * self.attended_tokens()
-                * (info.head_dim + info.v_head_dim))
+        tokens = min(self.offset, info.sliding_window or self.offset)  # not what it keeps
+        return max(self.batch_size, 1) * tokens * info.n_kv_heads * (
+            info.head_dim + info.v_head_dim) * 2
+
 
     def stats(self) -> dict[str, Any]:
         """Held bytes, accounted bytes, fp16-equivalent bytes, tokens and ratio."""

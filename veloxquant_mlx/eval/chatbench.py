@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.eval.loadtest import ENGLISH, ServerProcess, get_json, percentile, words
 from veloxquant_mlx.eval.serverbench import MlxLmServer, model_folder
 
 REFERENCE = "mlx_lm.server"
+DENSE = KVCacheConfig().to_string()  # the dense cache of veloxquant serve
 
 
 @dataclass
@@ -228,7 +230,7 @@ def warm_bench(methods: Sequence[str], cfg: WarmConfig, max_kv_memory: str,
 
 
 def warm_markdown(rows: Sequence[dict[str, Any]], cfg: WarmConfig) -> str:
-    base = next((r for r in rows if r["server"] == "none"), None)
+    base = next((r for r in rows if r["server"] == DENSE), None)
     out = [f"| method | kept warm after the conversations of {cfg.tokens} tokens "
            "| re-sent and served warm | vs dense (kept) | kept MiB | cold turn p50 s "
            "| warm turn p50 s |",
@@ -339,7 +341,7 @@ def _main_warm(args: argparse.Namespace, log_dir: Path | None) -> int:
         raise SystemExit(f"--warm={args.warm} --warm-tokens={args.warm_tokens}: --warm "
                          "an integer >= 1, --warm-tokens >= 64")
     cfg = WarmConfig(args.warm, args.warm_tokens)
-    rows = warm_bench(args.method or ["none", "kivi:bits=4"], cfg, args.max_kv_memory,
+    rows = warm_bench(args.method or [DENSE, "kivi:bits=4"], cfg, args.max_kv_memory,
                       args.serve_arg, log_dir)
     print(warm_markdown(rows, cfg))
     if args.json:
