@@ -214,8 +214,8 @@ def cache_stats(caches: list[Any]) -> dict[str, Any]:
             n = getattr(c, "nbytes", 0) or 0
             held += n
             accounted += n
-            fp16 += _foreign_fp16(c, n)
             foreign.append(_foreign_fp16(c, n))
+            fp16 += foreign[-1]
     # The model's own caches attend densely; its query heads per KV head are ours'.
     ours = next((c for c in caches if isinstance(c, CompressedCache)), None)
     rep = ours.query_heads() / ours.layer.n_kv_heads if ours is not None else 1.0

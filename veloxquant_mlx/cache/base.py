@@ -379,10 +379,8 @@ class CompressedCache(StepCost, _BaseCache, ABC):
     def fp16_bytes(self) -> int:
         """Bytes a dense float16 cache (mlx_lm's for this layer: a local layer's holds
         its window at most) would hold for the same tokens."""
-        info = self.layer
-        tokens = min(self.offset, info.sliding_window or self.offset)  # not what it keeps
-        return max(self.batch_size, 1) * tokens * info.n_kv_heads * (
-            info.head_dim + info.v_head_dim) * 2
+        width = self.layer.n_kv_heads * (self.layer.head_dim + self.layer.v_head_dim)
+        return max(self.batch_size, 1) * self.window_tokens() * width * 2
 
 
     def stats(self) -> dict[str, Any]:

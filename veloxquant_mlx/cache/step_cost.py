@@ -17,9 +17,14 @@ class StepCost:
     offset: int
     batch_size: int
 
-    def attended_tokens(self) -> int:
-        """Tokens a decode query attends here (a local layer: its window at most)."""
+    def window_tokens(self) -> int:
+        """Tokens within the layer's own attention window (a local layer's at most):
+        what a dense cache of this layer attends, whatever the method keeps."""
         return min(self.offset, self.layer.sliding_window or self.offset)
+
+    def attended_tokens(self) -> int:
+        """Tokens a decode query attends here (a method that evicts: what it keeps)."""
+        return self.window_tokens()
 
     def query_heads(self) -> int:
         """Query heads of the layer's attention (its KV heads if it does not say)."""

@@ -145,6 +145,10 @@ def _limits(server: ServerProcess) -> dict | None:
         return None
 
 
+def _log_name(kind: str, method: str) -> str:
+    return f"{kind}-{method.replace(':', '_').replace(',', '_')}.log"
+
+
 def bench(methods: Sequence[str], cfg: ChatConfig, max_kv_memory: str,
           log_dir: Path | None = None) -> list[dict[str, Any]]:
     """``mlx_lm.server`` first, then ``veloxquant serve`` per method."""
@@ -152,7 +156,7 @@ def bench(methods: Sequence[str], cfg: ChatConfig, max_kv_memory: str,
     servers: list[tuple[str, ServerProcess]] = [
         (REFERENCE, MlxLmServer(model, log_path=log_dir and log_dir / "mlx_lm.log"))]
     for m in methods:
-        log = log_dir and log_dir / f"serve-{m.replace(':', '_').replace(',', '_')}.log"
+        log = log_dir and log_dir / _log_name("serve", m)
         servers.append((m, ServerProcess(m, max_kv_memory, model=model, extra=cfg.extra,
                                          log_path=log)))
     rows = []
@@ -186,12 +190,13 @@ def warm_conversations(server: ServerProcess, cfg: WarmConfig) -> dict[str, Any]
     after the first pass (entries charged by the allocator's measure); ``verified``
     shows they are real, and is a lower bound: a re-sent request needs room for itself
     beside the kept ones, so with a full budget it evicts the oldest."""
-    prompts = [[{"role": "user", "content": words(cfg.tokens - 16, ENGLISH, seed=i + 1)}]
+    n_words = cfg.tokens - 16  # about a token each, the chat template's tokens aside
+    prompts = [[{"role": "user", "content": words(n_words, ENGLISH, seed=i + 1)}]
                for i in range(cfg.conversations)]
     cold, warm, verified = [], [], 0
     for messages in prompts:
         t0 = time.perf_counter()
-        _, tokens, _, error = stream_turn(server.port, messages, 1, cfg.timeout)
+        error = stream_turn(server.port, messages, 1, cfg.timeout)[3]
         if error:
             raise RuntimeError(f"filling the prompt cache failed: {error}")
         cold.append(time.perf_counter() - t0)
@@ -203,7 +208,7 @@ def warm_conversations(server: ServerProcess, cfg: WarmConfig) -> dict[str, Any]
         stream_turn(server.port, messages, 1, cfg.timeout)
         seconds = time.perf_counter() - t0
         now = _kept(server)
-        if now.get("counters", {}).get("reused_tokens", 0) - before < 0.9 * (cfg.tokens - 16):
+        if now.get("counters", {}).get("reused_tokens", 0) - before < 0.9 * n_words:
             break  # a cold one prefills in full and evicts: the older ones prove nothing
         verified += 1
         warm.append(seconds)
@@ -222,7 +227,7 @@ def warm_bench(methods: Sequence[str], cfg: WarmConfig, max_kv_memory: str,
     model = model_folder()
     rows = []
     for m in methods:
-        log = log_dir and log_dir / f"warm-{m.replace(':', '_').replace(',', '_')}.log"
+        log = log_dir and log_dir / _log_name("warm", m)
         flags = ["--prompt-cache-size", str(cfg.conversations + 1), *extra]
         with ServerProcess(m, max_kv_memory, model=model, extra=flags, log_path=log) as srv:
             rows.append({"server": m, **warm_conversations(srv, cfg)})
