@@ -95,6 +95,31 @@ def test_batch_errors_are_clear() -> None:
         NoBatch.merge([c])
 
 
+def test_a_batch_checks_its_prompt_chunk_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One finiteness check (one sync) per layer call for the whole batch, none per
+    row; a non-finite chunk is still refused, naming the batch."""
+    from veloxquant_mlx.cache import finite
+
+    model = tiny_model("llama")
+    cfg = KVCacheConfig(method="affine", group_size=32)
+    rows = [KVCacheBuilder.for_model(model, cfg)[0] for _ in range(3)]
+    b = BatchedCache.merge(rows)
+    calls = []
+    real = finite.all_finite
+    monkeypatch.setattr(finite, "all_finite", lambda k, v: calls.append(k.shape) or real(k, v))
+    H, D = rows[0].layer.n_kv_heads, rows[0].layer.head_dim
+    x = mx.random.normal((3, H, 8, D))
+    b.update_and_fetch(x, x)
+    assert calls == [(3, H, 8, D)]
+    assert all(c.offset == 8 for c in rows)
+    bad = mx.concatenate([x[:2], mx.full((1, H, 8, D), mx.nan)])
+    with pytest.raises(ValueError, match="batch of 3 sequences.*NaN or Inf"):
+        b.update_and_fetch(bad, bad)
+    assert all(c.offset == 8 for c in rows)  # refused before any row stored it
+    with pytest.raises(ValueError, match="NaN or Inf"):  # a row alone still checks
+        rows[0].update_and_fetch(bad[2:], bad[2:])
+
+
 def batch_memory(model, cfg: KVCacheConfig) -> tuple[object, int, int]:
     """``batch_generate`` through fresh per-sequence caches: its result, the bytes the
     caches really keep alive (allocator) and the bytes they declare."""

@@ -78,9 +78,8 @@ def test_a_batch_decodes_in_one_call_as_each_row_alone(method: str,
         pytest.skip(f"{method} refuses batches (tests/test_batch.py checks the refusal)")
     assert _max_error(model, method) <= TOLERANCE
     # The rows' class says whether it lays its segments side by side: then every layer of
-    # every decode step took the one-call path.
-    batches = (cls.attend_rows.__func__ is not CompressedCache.attend_rows.__func__
-               or not (cls.attends or cls.hooks_module))  # dense K/V rows: one sdpa
+    # every decode step took the one-call path (rows returning dense K/V: row by row).
+    batches = cls.attend_rows.__func__ is not CompressedCache.attend_rows.__func__
     want = len(STEPS) * len(probe) if batches else 0
     assert calls["at_once"] == want, (method, calls, want)
 

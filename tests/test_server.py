@@ -301,6 +301,39 @@ def _decodes_per_prefill_step(share: float) -> float:
     return decodes / max(prefill_steps, 1)
 
 
+def _chunk_per_prompt(gen: Any, uids: list[int], steps: int = 3) -> int:
+    """The most prompt tokens any of ``uids`` advanced in one step."""
+    done = dict.fromkeys(uids, 0)
+    most = 0
+    for _ in range(steps):
+        for r in gen.next()[0]:
+            if r.uid in done and isinstance(r.progress, tuple):
+                most = max(most, r.progress[0] - done[r.uid])
+                done[r.uid] = r.progress[0]
+    return most
+
+
+def test_prompts_split_the_chunk_only_while_others_decode() -> None:
+    from veloxquant_mlx.testing.tiny import tiny_model
+
+    model = tiny_model("llama", seed=3)
+    cfg = KVCacheConfig(method="none")
+    caches = lambda: KVCacheBuilder.for_model(model, cfg)  # noqa: E731
+    gen = _batch_generator(model, step=128)
+    # Nobody generating: each prompt gets a whole chunk per step (not 128 / 2).
+    alone = gen.insert([_prompt(600), _prompt(600, 1)], max_tokens=[2, 2],
+                       caches=[caches(), caches()])
+    assert _chunk_per_prompt(gen, alone) == 128
+    gen = _batch_generator(model, share=1.0, step=128)
+    talker, = gen.insert([_prompt(8, 5)], max_tokens=[400], caches=[caches()])
+    while talker not in gen._generation_batch.uids:
+        gen.next()
+    # A sequence decodes: the chunk is shared, so a step stays about one chunk.
+    waiting = gen.insert([_prompt(600), _prompt(600, 1)], max_tokens=[2, 2],
+                         caches=[caches(), caches()])
+    assert _chunk_per_prompt(gen, waiting) == 64
+
+
 def test_prefill_share_gives_decoders_their_time() -> None:
     # mlx_lm's own interleaving: one decode step per prompt chunk.
     assert _decodes_per_prefill_step(1.0) <= 1.5

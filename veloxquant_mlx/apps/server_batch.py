@@ -8,9 +8,10 @@ every prompt in the prefill batch. Three things are added on top, each small:
   spent ``t`` seconds on prompts while other sequences were decoding, the next steps are
   decode-only until those sequences had ``t * (1 - share) / share`` seconds of their
   own (``--prefill-share``, default 0.5: prompts get at most about half the time).
-- **A token budget per step.** The chunk is split between the prompts in the prefill
-  batch (``prefill_step_size / rows`` tokens each, at least ``MIN_ROW_CHUNK``), so a
-  step costs about one chunk however many prompts run. Prompts that fit in one chunk
+- **A token budget per step.** While sequences are generating, the chunk is split
+  between the prompts in the prefill batch (``prefill_step_size / rows`` tokens each, at
+  least ``MIN_ROW_CHUNK``), so a step costs about one chunk however many prompts run;
+  with nothing generating, every prompt gets a whole chunk (fewer, larger steps). Prompts that fit in one chunk
   go first, with an extra prefill slot if all slots hold long prompts.
 - **Cancellation before the next step.** A request whose client is gone (its ticket
   says so) is removed from every stage before the next step runs, instead of after
@@ -129,9 +130,10 @@ class ServerBatchGenerator(BatchGenerator):
     def _fair_step(self) -> tuple[list, list]:
         base_step, base_slots = self.prefill_step_size, self.prefill_batch_size
         self._short_prompts_first()
-        rows = min(self.prefill_batch_size,
-                   len(self._prompt_batch) + len(self._unprocessed_sequences))
-        self.prefill_step_size = max(MIN_ROW_CHUNK, base_step // max(rows, 1))
+        if len(self._generation_batch):  # nobody waits on a step otherwise
+            rows = min(self.prefill_batch_size,
+                       len(self._prompt_batch) + len(self._unprocessed_sequences))
+            self.prefill_step_size = max(MIN_ROW_CHUNK, base_step // max(rows, 1))
         spent = self._counters.prompt_time
         try:
             out = super()._next()

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
+from veloxquant_mlx.cache import finite
 from veloxquant_mlx.cache.step_cost import StepCost
 from veloxquant_mlx.options import MethodOptions, config_error
 
@@ -447,10 +448,8 @@ class CompressedCache(StepCost, _BaseCache, ABC):
         self.check_routing()
         if self.batch_size and B != self.batch_size:
             raise ValueError(f"{self.method}: batch size changed from {self.batch_size} to {B}")
-        # Checked apart: keys and values may differ in width (MLA latents, v_head_dim).
-        if L > 1 and not (mx.all(mx.isfinite(keys)) & mx.all(mx.isfinite(values))).item():
-            # Checked on prompt chunks only: a check per decode step would force a sync
-            # in every layer. Compressing NaN/Inf would silently poison the whole cache.
+        # Prompt chunks only: a check per decode step would force a sync in every layer.
+        if L > 1 and not finite.already_checked() and not finite.all_finite(keys, values):
             raise ValueError(
                 f"{self.method} cache of layer {self.layer.layer_idx}: keys/values contain "
                 "NaN or Inf; only finite values can be cached")

@@ -90,6 +90,8 @@ class TokenStore:
         self.dims = (k_dim, v_dim)
         self.codecs = None if kind == "dense" else [
             _codec(kind, b, group_size, d) for b, d in zip(self.bits, self.dims)]
+        if self.codecs is not None:
+            self.codecs[1].side = "value"
         self.n_k = 1 if self.codecs is None else self.codecs[0].n_state  # keys' arrays
 
     @property

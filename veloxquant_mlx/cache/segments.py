@@ -41,6 +41,7 @@ class Segment(ABC):
     n_state: ClassVar[int] = 1  # entries the segment takes in a cache's ``state``
     # Tokens the front and the end can be cut in (whole groups for per-channel codes).
     align: int = 1
+    side: str = "key"  # or "value": the fastest path can differ by side (ops.kernels)
 
     @property
     @abstractmethod
@@ -240,7 +241,7 @@ class TokenCodes(_Buffered):
 
     def slot_of(self, arrays: list[mx.array]) -> Slot:
         n = arrays[0].shape[2] if arrays else 0
-        packed = kernels.packed("token", self.bits, self.group_size, self.dim)
+        packed = kernels.packed("token", self.bits, self.group_size, self.dim, self.side)
         return Slot("token", arrays, n, (self.bits, self.group_size), packed)
 
     def codes(self) -> q.Quantized:
@@ -364,7 +365,7 @@ class FloatCodes(_Buffered):
 
     def slot_of(self, arrays: list[mx.array]) -> Slot:
         n = arrays[0].shape[2] if arrays else 0
-        packed = kernels.packed("float", self.bits, self.group_size, self.dim)
+        packed = kernels.packed("float", self.bits, self.group_size, self.dim, self.side)
         return Slot("float", arrays, n, (self.mode,), packed)
 
 
@@ -383,6 +384,8 @@ class StoredForm:
     def __init__(self, keys: list[Segment], values: list[Segment],
                  state_order: Layout | None = None) -> None:
         self.keys, self.values = keys, values
+        for s in values:
+            s.side = "value"
         self.layout = list(state_order) if state_order is not None else [*keys, *values]
         self.order = [s for e in self.layout for s in (e if isinstance(e, tuple) else (e,))]
         if sorted(map(id, self.order)) != sorted(map(id, [*keys, *values])):

@@ -12,10 +12,10 @@ def render(calibrate: bool = False) -> str:
     head = [f"Attention paths on {kernels.device_key()} (ms per decode step over "
             f"{kernels.MEASURE_TOKENS} tokens x {kernels.HEADS} KV heads; choices cached in "
             f"{kernels._cache_file()}; {kernels.ENV}=floats|packed forces one)", "",
-            "| codes | bits | group | head dim | path | floats ms | packed ms | decided |",
-            "|---|---|---|---|---|---|---|---|"]
-    for (kind, bits, group, dim), c in rows:
+            "| codes | bits | group | head dim | side | path | floats ms | packed ms | decided |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for (kind, bits, group, dim, side), c in rows:
         ms = [f"{c.ms[p]:.3f}" if p in c.ms else "-" for p in kernels.PATHS]
-        head.append(f"| {kind} | {bits} | {group} | {dim} | {c.path} | {ms[0]} | {ms[1]} "
+        head.append(f"| {kind} | {bits} | {group} | {dim} | {side} | {c.path} | {ms[0]} | {ms[1]} "
                     f"| {c.source} |")
     return "\n".join(head)

@@ -10,9 +10,11 @@ stored as K^T) and microscaled float codes (``"float"``: ``nvfp4`` and friends,
   applied to the small scores and probabilities, in token blocks of ``BLOCK`` so the
   transient stays a block's size whatever the context.
 
-Which is faster depends on the backend, the width and the group (on this Linux CPU build
-either wins somewhere). The choice is made per *shape class* (kind, bits, group size,
-head dim): measured once on first use on the CPU, and cached on disk with the MLX
+Which is faster depends on the backend, the width, the group and the side: on this Linux
+CPU build the fused kernel multiplies per-token codes fast as values (``p @ V``, the
+quantized axis is the output's) and slowly as keys (``q @ K^T`` reduces along it). The
+choice is made per *shape class* (kind, bits, group size, head dim, side: ``"key"`` or
+``"value"``): measured once on first use on the CPU, and cached on disk with the MLX
 version and the device (``~/.cache/veloxquant_mlx/kernels.json``, or
 ``$VELOXQUANT_CACHE_DIR``); ``veloxquant bench --calibrate-kernels`` measures every
 class up front and ``--kernels`` prints the table. On a GPU backend the default is the
@@ -39,17 +41,25 @@ from veloxquant_mlx.ops import quantize as q
 
 PATHS = ("floats", "packed")
 KINDS = ("token", "channel", "float")
+SIDES = ("key", "value")
 ENV = "VELOXQUANT_KERNELS"
 CACHE_ENV = "VELOXQUANT_CACHE_DIR"
-BLOCK = 1024  # tokens the float path decodes at once
-MEASURE_TOKENS = 2048  # a store long enough that the kernel, not the call, is timed
+BLOCK = 2048  # tokens the float path decodes at once (1024: 4x the ops at 4k, measured slower)
+MEASURE_TOKENS = 4096  # a store long enough that the kernel, not the call, is timed
+# Read between two timed calls, so each starts with cold CPU caches as in a model's
+# step (whose weights evict the cache): timed warm, the float path's transient stayed in
+# cache and won where the fused kernel was faster in the model (measured).
+EVICT_BYTES = 64 << 20
 ROWS = 4  # query rows per KV head in the measurement (a decode step of grouped heads)
 HEADS = 4
-# The classes ``--calibrate-kernels`` measures up front (others: on first use).
-DEFAULT_CLASSES = [(kind, bits, group, dim) for kind in ("token", "channel")
-                   for bits in (2, 4, 8) for group in (32, 64) for dim in (64, 128)]
-DEFAULT_CLASSES += [("float", bits, group, dim) for bits, group in fp.MODES
-                    for dim in (64, 128)]
+# The classes ``--calibrate-kernels`` measures up front (others: on first use);
+# per-channel codes hold keys only (KIVI).
+DEFAULT_CLASSES = [(kind, bits, group, dim, side) for kind in ("token", "channel")
+                   for bits in (2, 4, 8) for group in (32, 64) for dim in (64, 128)
+                   for side in (SIDES if kind == "token" else ("key",))]
+DEFAULT_CLASSES += [("float", bits, group, dim, side) for bits, group in fp.MODES
+                    for dim in (64, 128) for side in SIDES]
+Class = tuple[str, int, int, int, str]
 
 
 @dataclass(frozen=True)
@@ -78,8 +88,8 @@ def _cache_file() -> Path:
 _MEMO: dict[str, Choice] = {}
 
 
-def _class_key(kind: str, bits: int, group: int, dim: int) -> str:
-    return f"{device_key()}/{kind}:{bits}:{group}:{dim}"
+def _class_key(kind: str, bits: int, group: int, dim: int, side: str) -> str:
+    return f"{device_key()}/{kind}:{bits}:{group}:{dim}:{side}"
 
 
 def _recorded(key: str) -> Choice | None:
@@ -118,26 +128,28 @@ def forced() -> str | None:
     return value
 
 
-def choose(kind: str, bits: int, group: int, dim: int) -> Choice:
-    """The path attention takes over codes of this shape class."""
+def choose(kind: str, bits: int, group: int, dim: int, side: str = "key") -> Choice:
+    """The path attention takes over codes of this shape class on one side."""
     force = forced()
     if force is not None:
         return Choice(force, "forced", {})
-    key = _class_key(kind, bits, group, dim)
+    if side not in SIDES:
+        raise ValueError(f"side={side!r}: one of {SIDES}")
+    key = _class_key(kind, bits, group, dim, side)
     if key not in _MEMO:
         choice = _recorded(key)
         if choice is None and on_gpu():
             choice = Choice("packed", "default (not measured)", {})
         if choice is None:
-            choice = measure(kind, bits, group, dim)
+            choice = measure(kind, bits, group, dim, side)
             _record(key, choice)
         _MEMO[key] = choice
     return _MEMO[key]
 
 
-def packed(kind: str, bits: int, group: int, dim: int) -> bool:
+def packed(kind: str, bits: int, group: int, dim: int, side: str = "key") -> bool:
     """Whether codes of this class are multiplied packed (``mx.quantized_matmul``)."""
-    return choose(kind, bits, group, dim).path == "packed"
+    return choose(kind, bits, group, dim, side).path == "packed"
 
 
 def _parts(kind: str, bits: int, group: int, dim: int) -> dict[str, Any]:
@@ -158,11 +170,14 @@ def _parts(kind: str, bits: int, group: int, dim: int) -> dict[str, Any]:
     return out
 
 
-def measure(kind: str, bits: int, group: int, dim: int, repeats: int = 7) -> Choice:
-    """Time both paths on a synthetic store (median of ``repeats``, interleaved): key
-    scores, and the value product for per-token codes (per-channel codes hold keys)."""
+def measure(kind: str, bits: int, group: int, dim: int, side: str = "key",
+            repeats: int = 7) -> Choice:
+    """Time both paths on a synthetic store (median of ``repeats``, interleaved): the
+    key scores or the value product."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: one of {KINDS}")
+    if side not in SIDES or (kind == "channel" and side != "key"):
+        raise ValueError(f"side={side!r}: one of {SIDES} (per-channel codes hold keys)")
     parts = _parts(kind, bits, group, dim)
     qt = mx.random.normal((1, HEADS, dim, ROWS), key=mx.random.key(1))
     p = mx.random.uniform(shape=(1, HEADS, ROWS, MEASURE_TOKENS), key=mx.random.key(2))
@@ -170,17 +185,19 @@ def measure(kind: str, bits: int, group: int, dim: int, repeats: int = 7) -> Cho
     def step(path: str) -> None:
         outs, start = [], 0
         for part in parts[path]:
-            outs.append(part.key_scores(qt))
-            if kind != "channel":
-                outs.append(part.value_product(p[..., start:start + part.n]))
+            outs.append(part.key_scores(qt) if side == "key"
+                        else part.value_product(p[..., start:start + part.n]))
             start += part.n
         mx.eval(outs)
 
+    flush = mx.zeros((EVICT_BYTES // 4,), mx.float32) if not on_gpu() else None
     times: dict[str, list[float]] = {path: [] for path in PATHS}
     for path in PATHS:
         step(path)  # compile and warm up
     for _ in range(repeats):
         for path in PATHS:
+            if flush is not None:
+                mx.eval(flush.sum())
             t = time.perf_counter()
             step(path)
             times[path].append((time.perf_counter() - t) * 1e3)
@@ -188,8 +205,7 @@ def measure(kind: str, bits: int, group: int, dim: int, repeats: int = 7) -> Cho
     return Choice(min(ms, key=ms.get), "measured", ms)
 
 
-def calibrate(classes: list[tuple[str, int, int, int]] | None = None
-              ) -> list[tuple[tuple[str, int, int, int], Choice]]:
+def calibrate(classes: list[Class] | None = None) -> list[tuple[Class, Choice]]:
     """Measure every class (default: ``DEFAULT_CLASSES``) now and record the choices."""
     out = []
     for cls in classes or DEFAULT_CLASSES:
@@ -201,7 +217,6 @@ def calibrate(classes: list[tuple[str, int, int, int]] | None = None
     return out
 
 
-def table(classes: list[tuple[str, int, int, int]] | None = None
-          ) -> list[tuple[tuple[str, int, int, int], Choice]]:
+def table(classes: list[Class] | None = None) -> list[tuple[Class, Choice]]:
     """What each class uses now (measuring the ones not decided yet)."""
     return [(cls, choose(*cls)) for cls in classes or DEFAULT_CLASSES]
