@@ -217,3 +217,21 @@ def test_rotation_is_freed_with_the_last_cache_that_holds_it() -> None:
     del first
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_centroids_decoded_on_side_streams_equal_the_decode(bits: int,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """Byte phases decoded on their own CPU streams are the values the whole-byte kernel
+    gives (what ``decode`` scales), and the same as phases on the default stream."""
+    x = mx.random.normal((1, 2, 40, 64), key=mx.random.key(bits))
+    c = cb.encode(x, bits, packing="bytes")
+    per = 8 // bits
+    whole = cb._centroid_kernel(bits, per)(c.parts[0])
+    side = cb.centroid_phases(c)
+    assert [(f, s) for _, f, s in side] == [(k, per) for k in range(per)]
+    assert all(mx.array_equal(a, w).item() for (a, _, _), w in zip(side, whole))
+    monkeypatch.setattr(cb, "_phase_stream", lambda k: mx.default_stream(mx.default_device()))
+    again = cb.centroid_phases(c)
+    assert all(mx.array_equal(a, b).item() for (a, _, _), (b, _, _) in zip(again, side))

@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -155,21 +156,43 @@ def _centroid_kernel(bits: int, per: int) -> Callable[[mx.array], list[mx.array]
     A select tree over the code bits (``2^bits - 1`` selects between constants) instead
     of a gather: the same values, several times faster on the CPU.
     """
-    values = lloyd_max(bits)[0]
-    mask = (1 << bits) - 1
 
     def phases(u8: mx.array) -> list[mx.array]:
-        out = []
-        for k in range(per):
-            c = (u8 >> (k * bits)) & mask
-            level = [mx.array(v, dtype=mx.float32) for v in values]
-            for j in range(bits):
-                bit = ((c >> j) & 1).astype(mx.bool_)
-                level = [mx.where(bit, level[i + 1], level[i]) for i in range(0, len(level), 2)]
-            out.append(level[0])
-        return out
+        return [_select_tree(u8, bits, k) for k in range(per)]
 
     return mx.compile(phases, shapeless=True)
+
+
+def _select_tree(u8: mx.array, bits: int, k: int) -> mx.array:
+    """The centroids of the ``k``-th code of each byte, by selects over its bits."""
+    c = (u8 >> (k * bits)) & ((1 << bits) - 1)
+    level = [mx.array(v, dtype=mx.float32) for v in lloyd_max(bits)[0]]
+    for j in range(bits):
+        bit = ((c >> j) & 1).astype(mx.bool_)
+        level = [mx.where(bit, level[i + 1], level[i]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+@cache
+def _phase_kernel(bits: int, k: int) -> Callable[[mx.array], mx.array]:
+    """Compiled: the ``k``-th code of each byte -> its centroids (one output)."""
+    return mx.compile(lambda u8: _select_tree(u8, bits, k), shapeless=True)
+
+
+_SIDE_STREAMS: list[Any] = []
+
+
+def _phase_stream(k: int) -> Any:
+    """Where phase ``k`` is decoded. On the CPU, one of two extra CPU streams: MLX runs
+    each CPU stream on its own thread, and the select tree is element-wise work on one
+    core, so the phases decode side by side and overlap the products that read them
+    (turboquant decode step at 4096 tokens: see docs/methods/turboquant.md). On a GPU
+    the default stream."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return mx.default_stream(mx.default_device())
+    if not _SIDE_STREAMS:
+        _SIDE_STREAMS.extend(mx.new_stream(mx.cpu) for _ in range(2))
+    return _SIDE_STREAMS[k % 2]
 
 
 def centroid_phases(c: Coded) -> list[tuple[mx.array, int, int]]:
@@ -183,7 +206,9 @@ def centroid_phases(c: Coded) -> list[tuple[mx.array, int, int]]:
     for p, (n, b) in zip(c.parts, c.widths):
         if packed_in_bytes(c.packing, b):
             per = 8 // b
-            out += [(a, start + k, per) for k, a in enumerate(_centroid_kernel(b, per)(p))]
+            for k in range(per):
+                with mx.stream(_phase_stream(k)):
+                    out.append((_phase_kernel(b, k)(p), start + k, per))
         else:
             out.append((_centroid_kernel(b, 1)(unpack_planes(p))[0], start, 1))
         start += n
