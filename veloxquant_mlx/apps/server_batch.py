@@ -11,8 +11,9 @@ every prompt in the prefill batch. Three things are added on top, each small:
 - **A token budget per step.** While sequences are generating, the chunk is split
   between the prompts in the prefill batch (``prefill_step_size / rows`` tokens each, at
   least ``MIN_ROW_CHUNK``), so a step costs about one chunk however many prompts run;
-  with nothing generating, every prompt gets a whole chunk (fewer, larger steps). Prompts that fit in one chunk
-  go first, with an extra prefill slot if all slots hold long prompts.
+  with nothing generating, every prompt gets a whole chunk (fewer, larger steps).
+  Prompts that fit in one chunk go first, with an extra prefill slot if all slots hold
+  long prompts.
 - **Cancellation before the next step.** A request whose client is gone (its ticket
   says so) is removed from every stage before the next step runs, instead of after
   its next chunk; a prompt response is reported for it so that mlx_lm's server loop

@@ -449,10 +449,8 @@ class CompressedCache(StepCost, _BaseCache, ABC):
         if self.batch_size and B != self.batch_size:
             raise ValueError(f"{self.method}: batch size changed from {self.batch_size} to {B}")
         # Prompt chunks only: a check per decode step would force a sync in every layer.
-        if L > 1 and not finite.already_checked() and not finite.all_finite(keys, values):
-            raise ValueError(
-                f"{self.method} cache of layer {self.layer.layer_idx}: keys/values contain "
-                "NaN or Inf; only finite values can be cached")
+        if L > 1 and not finite.already_checked():
+            finite.require(keys, values, f"{self.method} cache of layer {self.layer.layer_idx}")
         self.check_budget(L)
 
     def check_routing(self) -> None:

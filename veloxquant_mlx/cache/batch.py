@@ -82,9 +82,8 @@ class BatchedCache(_BaseCache):
         self._dense = []
         # One finiteness check for the whole chunk (padding is computed from real
         # tokens, so finite too), then none per row: each would wait for the layer.
-        if keys.shape[2] > 1 and not finite.all_finite(keys, values):
-            raise ValueError(f"a batch of {len(self.caches)} sequences: keys/values contain "
-                             "NaN or Inf; only finite values can be cached")
+        if keys.shape[2] > 1:
+            finite.require(keys, values, f"a batch of {len(self.caches)} sequences")
         with finite.checked():
             for i, (c, r) in enumerate(zip(self.caches, self._real)):
                 kv = None

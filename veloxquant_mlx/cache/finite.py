@@ -23,6 +23,13 @@ def all_finite(keys: mx.array, values: mx.array) -> bool:
     return bool((mx.all(mx.isfinite(keys)) & mx.all(mx.isfinite(values))).item())
 
 
+def require(keys: mx.array, values: mx.array, where: str) -> None:
+    """``ValueError`` naming ``where`` unless every key and value is finite."""
+    if not all_finite(keys, values):
+        raise ValueError(f"{where}: keys/values contain NaN or Inf; only finite values "
+                         "can be cached")
+
+
 def already_checked() -> bool:
     """Whether the caller is inside :func:`checked` (its chunk was checked whole)."""
     return getattr(_state, "depth", 0) > 0
