@@ -55,6 +55,24 @@ def test_lloyd_max_matches_the_known_distortion(bits: int, mse: float) -> None:
     assert abs(cb.codebook_mse(bits) - mse) < 0.01 * mse
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_decoded_levels_are_lloyd_max_within_a_fifth_of_a_percent(bits: int) -> None:
+    """Codes decode to a polynomial, not a table: its levels are Lloyd-Max's at 1-2
+    bits and lose at most 0.2% of distortion at 3-4 (a cubic would lose 2% at 4 bits),
+    and the compiled kernel gives exactly the levels the encoder's thresholds assume."""
+    levels, thresholds = cb.centroids(bits)
+    assert len(levels) == 2 ** bits and np.all(np.diff(levels) > 0)
+    assert np.allclose(thresholds, (np.array(levels[1:]) + levels[:-1]) / 2)
+    if bits <= 2:
+        assert np.allclose(levels, cb.lloyd_max(bits)[0], atol=1e-6)
+    assert cb.codebook_mse(bits, "centroids") <= 1.002 * cb.codebook_mse(bits)
+    per = 8 // bits if bits in cb.BYTE_WIDTHS else 1
+    codes = mx.arange(2 ** bits).astype(mx.uint8)
+    for k in range(per):  # every position of a byte decodes through the same levels
+        decoded = cb._phase_kernel(bits, k)(codes << (k * bits))
+        assert np.array_equal(np.array(decoded), np.array(levels, dtype=np.float32))
+
+
 @settings(max_examples=30, deadline=None)
 @given(bits=st.integers(1, 8), groups=st.integers(1, 5), seed=st.integers(0, 1000))
 def test_bit_planes_round_trip(bits: int, groups: int, seed: int) -> None:

@@ -13,7 +13,7 @@ Hadamard transform, ``ops.rotation``); after rotation each coordinate is close t
   and bias per vector).
 
 Attention reads the codes as parts (``ops.attention``): the codes as floats (a compiled
-select tree for the codebook, a byte view for affine codes) with the per-vector scales
+polynomial of the code for the codebook, a byte view for affine codes) with the per-vector scales
 and biases applied to the small scores and probabilities; prefill attends in bounded
 key blocks.
 

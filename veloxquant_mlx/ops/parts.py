@@ -194,8 +194,8 @@ def token_codes(qt: q.Quantized) -> TokenCodes:
 
 def coded_part(c: cb.Coded) -> TokenCodes:
     """Codebook-coded vectors ``[B, H, n, ...]`` (``ops.codebook``) as a part: centroids
-    from a compiled select tree (``codebook.centroid_phases``), the per-vector scale
-    applied to the scores and probabilities."""
+    from a compiled polynomial of the code (``codebook.centroid_phases``), the
+    per-vector scale applied to the scores and probabilities."""
     n, heads = c.scales.shape[2], c.scales.shape[1]
     dim = sum(w for w, _ in c.widths)
 
