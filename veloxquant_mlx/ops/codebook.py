@@ -168,18 +168,36 @@ def encode(x: mx.array, bits: float, packing: str = "planes") -> Coded:
     if packing not in PACKINGS:
         raise ValueError(f"packing={packing!r}: one of {PACKINGS}")
     d = x.shape[-1]
+    widths = tuple(split_bits(bits, d))
+    # A decode step codes one token per layer and side: compiled, its dozen small ops
+    # run as a few (a trace per shape, so longer chunks run as they are).
+    if x.ndim > 1 and x.shape[-2] == 1:
+        *parts, scale = _encoder(widths, packing)(x)
+    else:
+        *parts, scale = _encode(x, widths, packing)
+    return Coded(parts, scale, widths, packing)
+
+
+def _encode(x: mx.array, widths: tuple[tuple[int, int], ...], packing: str
+            ) -> list[mx.array]:
+    """The packed codes of each channel part, then the float16 scales."""
     x = x.astype(mx.float32)
     scale = mx.sqrt(mx.mean(x * x, axis=-1, keepdims=True))
     z = x / mx.maximum(scale, 1e-30)
     parts, start = [], 0
-    widths = tuple(split_bits(bits, d))
     for n, b in widths:
         t = mx.array(centroids(b)[1], dtype=mx.float32)
         codes = (z[..., start:start + n, None] > t).sum(axis=-1)
         parts.append(pack_bytes(codes, b) if packed_in_bytes(packing, b)
                      else pack_planes(codes, b))
         start += n
-    return Coded(parts, scale.astype(mx.float16), widths, packing)
+    return [*parts, scale.astype(mx.float16)]
+
+
+@cache
+def _encoder(widths: tuple[tuple[int, int], ...], packing: str
+             ) -> Callable[[mx.array], list[mx.array]]:
+    return mx.compile(lambda x: _encode(x, widths, packing))
 
 
 @cache
