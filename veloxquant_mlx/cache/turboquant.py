@@ -13,9 +13,9 @@ Hadamard transform, ``ops.rotation``); after rotation each coordinate is close t
   and bias per vector).
 
 Attention reads the codes as parts (``ops.attention``): the codes as floats (a compiled
-polynomial of the code for the codebook, a byte view for affine codes) with the per-vector scales
-and biases applied to the small scores and probabilities; prefill attends in bounded
-key blocks.
+polynomial of the code for the codebook, a byte view for affine codes) with the
+per-vector scales and biases applied to the small scores and probabilities; prefill
+attends in bounded key blocks.
 
 Queries are rotated the same way, so scores need no inverse; the attention output,
 computed over rotated values, is rotated back once per head (``out R^T``). The first

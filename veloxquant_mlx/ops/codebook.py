@@ -99,7 +99,10 @@ def centroids(bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
 def codebook_mse(bits: int, levels: str = "lloyd_max") -> float:
     """Expected squared error per N(0, 1) coordinate of the b-bit codebook (numeric):
     ``levels`` ``"lloyd_max"`` (the optimum) or ``"centroids"`` (what codes decode to)."""
-    c, t = (np.array(v) for v in (lloyd_max if levels == "lloyd_max" else centroids)(bits))
+    table = {"lloyd_max": lloyd_max, "centroids": centroids}
+    if levels not in table:
+        raise ValueError(f"levels={levels!r} is not allowed: one of {list(table)}")
+    c, t = (np.array(v) for v in table[levels](bits))
     x = np.linspace(-8, 8, 200001)
     idx = np.searchsorted(t, x)
     return float(np.trapezoid((x - c[idx]) ** 2 * _normal_pdf(x), x))
