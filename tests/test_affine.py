@@ -159,7 +159,11 @@ def test_generate_on_embedded_model():
     from veloxquant_mlx import cache_stats, models
 
     model, tokenizer = models.load()
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    # Dense leads its first token by 0.53 logits on this question; on "What is the
+    # capital of France?" by 0.10 ("The" over "L"), where which BLAS kernel the CPU gets
+    # already decides the answer of an 8-bit cache.
+    messages = [{"role": "user",
+                 "content": "What is the capital city of France? Answer in English."}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="affine", bits=8))
     out = mlx_lm.generate(model, tokenizer, prompt=prompt, max_tokens=20,

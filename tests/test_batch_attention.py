@@ -101,3 +101,32 @@ def test_the_value_layout_matters_when_keys_and_values_are_cut_apart(
 
     monkeypatch.setattr(stored, "batch_slots", no_index)
     assert _max_error(model, "kivi") > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("method", ["turboquant", "kivi", "affine"])
+def test_copies_of_kept_caches_still_decode_in_one_call(method: str,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    # The server's prompt cache hands out deep copies of kept caches; rows whose stored
+    # basis (a rotation) was copied per row would no longer match by identity and fall
+    # back to attending one row at a time at every step.
+    import copy
+
+    model = tiny_model("llama", seed=3)
+    extra = {"rotate": True} if method == "affine" else {}
+    KVCacheBuilder.detach(model)
+    rows = [copy.deepcopy(r) for r in _rows(model, method, **extra)]
+    calls = {"at_once": 0, "per_row": 0}
+    at_once = BatchedCache._attend_at_once
+
+    def counted(self: BatchedCache, queries: mx.array, scale: float) -> Any:
+        out = at_once(self, queries, scale)
+        calls["at_once" if out is not None else "per_row"] += 1
+        return out
+
+    monkeypatch.setattr(BatchedCache, "_attend_at_once", counted)
+    want = _alone(model, _rows(model, method, **extra))
+    got = _batched(model, rows)
+    KVCacheBuilder.detach(model)
+    assert calls["per_row"] == 0 and calls["at_once"] == len(STEPS) * len(rows[0]), calls
+    assert max(mx.abs(g - w).max().item() for g, w in zip(got, want)) <= TOLERANCE

@@ -158,13 +158,11 @@ class CompressedCache(StepCost, _BaseCache, ABC):
     @classmethod
     def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
                     ) -> mx.array | None:
-        """One attention call over one decode query per row of a batch (``cache.batch``),
-        or None: the batch then attends one row at a time."""
+        """One decode call over a batch's rows (``cache.batch``), or None: per row."""
         return None
 
     def drop_oldest(self, n: int) -> None:
-        """Forget the ``n`` oldest tokens (a multiple of ``ring_alignment``), codes
-        sliced, never re-quantized (``drops_front``; stored forms derive it)."""
+        """Forget the ``n`` oldest tokens (whole ``ring_alignment`` units), never re-coding."""
         raise NotImplementedError(f"method {self.method!r} cannot drop its oldest tokens")
 
     @classmethod
@@ -180,8 +178,7 @@ class CompressedCache(StepCost, _BaseCache, ABC):
     @classmethod
     def replicated_by_tensor_parallelism(cls, opts: Any, kv_width: int, hidden: int
                                          ) -> str | None:
-        """What of the cache every tensor-parallel rank holds whole, given the rank's K/V
-        projection width and the model width (``None``: the rank's own heads)."""
+        """What every tensor-parallel rank holds whole (``None``: its own heads only)."""
         return None
 
     @classmethod
@@ -214,7 +211,6 @@ class CompressedCache(StepCost, _BaseCache, ABC):
     def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> Any:
         """Its numerics for the tests' same-numerics reference (``cache.numerics``)."""
         from veloxquant_mlx.cache.numerics import StoredNumerics
-
         return StoredNumerics()  # nothing coded or evicted
 
     def attention_slots(self) -> tuple[list[Any], list[Any]]:
@@ -228,6 +224,16 @@ class CompressedCache(StepCost, _BaseCache, ABC):
         self.opts = config.layer_options(self.layer.layer_idx)
         self.offset = 0
         self.batch_size = 0
+
+    def constants(self) -> list[mx.array]:
+        """Immutable arrays (rotations) that deep copies share: copies still batch."""
+        return []
+
+    def __deepcopy__(self, memo: dict) -> CompressedCache:
+        memo.update({id(a): a for a in self.constants()})
+        out = memo[id(self)] = object.__new__(type(self))
+        out.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return out
 
     # ---- required ----
     @abstractmethod

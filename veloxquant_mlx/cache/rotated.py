@@ -63,6 +63,9 @@ class RotatedMixin:
         self.owns_rotation = False
         self._raw = False  # inside the method's own attend: its reconstruction stays rotated
 
+    def constants(self) -> list[mx.array]:
+        return [self.rot_k, self.rot_v, *super().constants()]
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return super().update_and_fetch(_turn(keys, self.rot_k), _turn(values, self.rot_v))
 

@@ -24,7 +24,7 @@ from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.cache.segments import StoredForm
 from veloxquant_mlx.ops import kernels
 from veloxquant_mlx.ops.attention import attend_parts, decodes_at_once
-from veloxquant_mlx.ops.batch_parts import batch_slots
+from veloxquant_mlx.ops.batch_parts import batch_slots, heads_major, rows_major
 from veloxquant_mlx.ops.parts import Slot, slot_parts
 
 if TYPE_CHECKING:
@@ -53,6 +53,9 @@ class StoredFormCache(CompressedCache):
     def shared_arrays(self) -> list[mx.array]:
         """What the cache holds beside its form (a rotation one layer declares)."""
         return []
+
+    def constants(self) -> list[mx.array]:
+        return [r for r in self.basis if r is not None] + super().constants()
 
     # ---- what a method writes ----
     def commit(self) -> None:
@@ -121,11 +124,12 @@ class StoredFormCache(CompressedCache):
         batched = batch_slots([r.attention_slots() for r in rows])
         if batched is None:
             return None
-        out = attend_parts(first._turn_in(queries), _parts(batched.keys),
-                           _parts(batched.values), scale, batched.mask, batched.value_index)
+        qh = heads_major(first._turn_in(queries), first.layer.n_kv_heads)
+        out = attend_parts(qh, _parts(batched.keys), _parts(batched.values), scale,
+                           batched.mask, batched.value_index)
         for r in rows:
             r.commit()
-        return first._turn_out(out, queries.dtype)
+        return first._turn_out(rows_major(out, len(rows)), queries.dtype)
 
     def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
         """Transient dense keys/values: every segment decoded, in token order (and

@@ -178,8 +178,9 @@ def attend_parts(queries: mx.array, keys: Sequence[Part], values: Sequence[Part]
     """Attention of ``queries`` ``[B, Hq, L, D]`` over key parts and value parts that
     each cover the same tokens in order; ``mask`` as mlx_lm passes it. Returns
     ``[B, Hq, L, Dv]``; a query row with every key masked gets zeros. ``value_index``
-    ``[B, S_v]``: value position -> key position (``S``: none), for batches whose key and
-    value layouts differ (``ops.batch_parts``); decode path only."""
+    (broadcasting to ``[B, H, 1, S_v]``): value position -> key position (``S``: none),
+    for batches whose key and value layouts differ (``ops.batch_parts``); decode path
+    only."""
     B, Hq, L, D = queries.shape
     H = keys[0].heads
     qr = (queries * scale).reshape(B, H, Hq // H, L, D)
@@ -195,10 +196,10 @@ def attend_parts(queries: mx.array, keys: Sequence[Part], values: Sequence[Part]
 
 def _through(e: mx.array, value_index: mx.array) -> mx.array:
     """Probabilities ``[B, H, rows, S]`` read at the key position of each value position
-    (a zero column for padding)."""
+    (a zero column for padding); ``value_index`` broadcasts to ``[B, H, 1, S_v]``."""
     B, H, rows, _ = e.shape
     e = mx.concatenate([e, mx.zeros((B, H, rows, 1), e.dtype)], axis=-1)
-    idx = mx.broadcast_to(value_index[:, None, None, :], (B, H, rows, value_index.shape[-1]))
+    idx = mx.broadcast_to(value_index, (B, H, rows, value_index.shape[-1]))
     return mx.take_along_axis(e, idx, axis=-1)
 
 
