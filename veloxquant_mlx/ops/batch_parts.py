@@ -114,14 +114,17 @@ def batch_slots(rows: Sequence[tuple[list[Slot], list[Slot]]]) -> BatchedSlots |
         stacked = [_stack(col) for col in columns]
         sides.append([s for s in stacked if s is not None])
     lengths = tuple(tuple(tuple(s.n for s in r[side]) for r in rows) for side in (0, 1))
-    return BatchedSlots(sides[0], sides[1], *_layout(*lengths))
+    mask, index = _layout(*lengths)
+    return BatchedSlots(sides[0], sides[1], mx.array(mask),
+                        None if index is None else mx.array(index))
 
 
 @functools.lru_cache(maxsize=2)
 def _layout(keys: tuple[tuple[int, ...], ...], values: tuple[tuple[int, ...], ...]
-            ) -> tuple[mx.array, mx.array | None]:
+            ) -> tuple[np.ndarray, np.ndarray | None]:
     """The mask and value index of rows whose segments hold these lengths. Every layer
-    of a step has the same lengths: built once per step, not once per layer."""
+    of a step has the same lengths, so they are worked out once per step; kept as host
+    arrays (an MLX array kept here would stay in MLX's memory after its batch is gone)."""
     (kpos, S), (vpos, S_v) = _positions([list(r) for r in keys]), _positions(
         [list(r) for r in values])
     if any(len(k) != len(v) for k, v in zip(kpos, vpos)):
@@ -135,8 +138,8 @@ def _layout(keys: tuple[tuple[int, ...], ...], values: tuple[tuple[int, ...], ..
         index = np.full((B, S_v), S, dtype=np.int32)
         for b, (k, v) in enumerate(zip(kpos, vpos)):
             index[b, v] = k
-        index = mx.array(index.reshape(1, B, 1, S_v))
-    return mx.array(mask.reshape(1, B, 1, 1, S)), index
+        index = index.reshape(1, B, 1, S_v)
+    return mask.reshape(1, B, 1, 1, S), index
 
 
 def heads_major(queries: mx.array, kv_heads: int) -> mx.array:
