@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from conftest import small_config
-from mlx_lm.generate import batch_generate, generate_step
+from mlx_lm.generate import batch_generate, generate_step, generation_stream
 from test_memory import keep_dense_copy
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
@@ -129,6 +129,7 @@ def batch_memory(model, cfg: KVCacheConfig) -> tuple[object, int, int]:
     r = batch_generate(model, Tok(), PROMPTS, prompt_caches=caches, max_tokens=3,
                        return_token_ids=True, return_prompt_caches=True)
     del caches
+    mx.synchronize(generation_stream)  # work it computed ahead is alive until it ends
     return r, active_bytes() - base, sum(cache_stats(s)["held_bytes"] for s in r.caches)
 
 
