@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -71,9 +72,10 @@ def _timed_steps(model: nn.Module, token: mx.array, caches: Any, steps: int) -> 
     return statistics.median(times) * 1e3
 
 
-def batch_steps(model: nn.Module, specs: list[str], rows: int = 8, context: int = 700,
+def batch_steps(model: nn.Module, specs: Sequence[str] | str, rows: int = 8, context: int = 700,
                 spread: int = 100, rounds: int = 6, steps: int = 4) -> list[dict[str, Any]]:
-    """Median decode-step ms of a ``rows``-row batch per method, and of the reference."""
+    """Median decode-step ms of a ``rows``-row batch per method, and of the reference;
+    ``specs`` as :func:`eval.perplexity.resolve_methods` takes them."""
     lengths = row_lengths(rows, context, spread)
     batches: dict[str, Any] = {REFERENCE: _dense_rows(model, lengths)}
     for m in resolve_methods(specs):
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     """Command line: print the table."""
     p = argparse.ArgumentParser(prog="python -m veloxquant_mlx.eval.batchstep")
     p.add_argument("--methods", default="none;kivi:bits=4;turboquant",
-                   help="method specs separated by ';'")
+                   help="method specs separated by ';' (or by ',' where unambiguous)")
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--context", type=int, default=700, help="mean tokens per row")
     p.add_argument("--spread", type=int, default=100, help="longest minus shortest row")
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     from veloxquant_mlx.models import load
 
     model, _ = load()
-    print(markdown(batch_steps(model, args.methods.split(";"), args.rows, args.context,
+    print(markdown(batch_steps(model, args.methods, args.rows, args.context,
                                args.spread, args.rounds, args.steps)))
 
 

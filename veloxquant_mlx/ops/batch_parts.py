@@ -12,7 +12,7 @@ The rows are laid out heads-major, ``[H, B, ...]`` (KV head first, then row): ea
 array of a segment is then one concatenation of the rows and their padding along the
 axis after the head (a free reshape splits it), instead of a pad and a copy per row and
 one more copy to stack them. A decode step redoes this for every layer, so the number
-of operations counts (8 rows of 700 tokens: about a third of a KIVI step went here).
+of operations counts (8 rows of 700 tokens: about a quarter of a KIVI step went here).
 :func:`heads_major` and :func:`rows_major` turn queries and outputs between the layouts.
 """
 
