@@ -179,13 +179,13 @@ def measure(kind: str, bits: int, group: int, dim: int, side: str = "key",
     if side not in SIDES or (kind == "channel" and side != "key"):
         raise ValueError(f"side={side!r}: one of {SIDES} (per-channel codes hold keys)")
     parts = _parts(kind, bits, group, dim)
-    qt = mx.random.normal((1, HEADS, dim, ROWS), key=mx.random.key(1))
+    qr = mx.random.normal((1, HEADS, ROWS, dim), key=mx.random.key(1))
     p = mx.random.uniform(shape=(1, HEADS, ROWS, MEASURE_TOKENS), key=mx.random.key(2))
 
     def step(path: str) -> None:
         outs, start = [], 0
         for part in parts[path]:
-            outs.append(part.key_scores(qt) if side == "key"
+            outs.append(part.key_scores(qr) if side == "key"
                         else part.value_product(p[..., start:start + part.n]))
             start += part.n
         mx.eval(outs)

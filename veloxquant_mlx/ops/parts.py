@@ -32,8 +32,8 @@ class Part(Protocol):
     n: int
     heads: int
 
-    def key_scores(self, qt: mx.array) -> mx.array:
-        """``K @ qt``: ``qt`` ``[B, H, D, rows]`` -> ``[B, H, n, rows]``."""
+    def key_scores(self, q: mx.array) -> mx.array:
+        """``q @ K^T``: ``q`` ``[B, H, rows, D]`` -> ``[B, H, rows, n]``."""
 
     def value_product(self, p: mx.array) -> mx.array:
         """``p @ V``: ``p`` ``[B, H, rows, n]`` -> ``[B, H, rows, Dv]``."""
@@ -54,8 +54,8 @@ class DensePart:
     def _as(self, dtype: mx.Dtype) -> mx.array:
         return self.x if self.x.dtype == dtype else self.x.astype(dtype)
 
-    def key_scores(self, qt: mx.array) -> mx.array:
-        return self._as(qt.dtype) @ qt
+    def key_scores(self, q: mx.array) -> mx.array:
+        return q @ self._as(q.dtype).swapaxes(-1, -2)
 
     def value_product(self, p: mx.array) -> mx.array:
         return p @ self._as(p.dtype)
@@ -91,23 +91,24 @@ class TokenCodes:
     def groups(self) -> int:
         return 1 if self.scales is None else self.scales.shape[-1]
 
-    def key_scores(self, qt: mx.array) -> mx.array:
-        B, H, D, rows = qt.shape
+    def key_scores(self, q: mx.array) -> mx.array:
+        B, H, rows, D = q.shape
         G = self.groups
         acc: Any = 0
         for c, first, stride in self.phases():
             w = c.shape[-1]
-            qk = qt[:, :, first:first + stride * (w - 1) + 1:stride]  # [B, H, w, rows]
+            qk = q[..., first:first + stride * (w - 1) + 1:stride]  # [B, H, rows, w]
             if G > 1:  # block-diagonal queries: group g's columns meet rows g*rows..
-                qk = _block_diagonal(qk, G)  # [B, H, w, G * rows]
-            acc = acc + (c if c.dtype == qt.dtype else c.astype(qt.dtype)) @ qk
+                qk = _block_diagonal(qk, G)  # [B, H, G * rows, w]
+            c = c if c.dtype == q.dtype else c.astype(q.dtype)
+            acc = acc + qk @ c.swapaxes(-1, -2)
         if self.scales is None:
             return acc
-        s = self.scales.astype(qt.dtype)  # [B, H, n, G]
-        out = acc * s if G == 1 else (acc.reshape(B, H, -1, G, rows) * s[..., None]).sum(3)
+        s = self.scales.astype(q.dtype).swapaxes(-1, -2)  # [B, H, G, n]
+        out = acc * s if G == 1 else (acc.reshape(B, H, G, rows, -1) * s[:, :, :, None]).sum(2)
         if self.biases is not None:
-            qsum = qt.reshape(B, H, G, D // G, rows).sum(axis=3)  # [B, H, G, rows]
-            out = out + self.biases.astype(qt.dtype) @ qsum
+            qsum = q.reshape(B, H, rows, G, D // G).sum(axis=-1)  # [B, H, rows, G]
+            out = out + qsum @ self.biases.astype(q.dtype).swapaxes(-1, -2)
         return out
 
     def value_product(self, p: mx.array) -> mx.array:
@@ -136,12 +137,12 @@ class TokenCodes:
 
 
 def _block_diagonal(qk: mx.array, G: int) -> mx.array:
-    """``[B, H, w, rows]`` -> ``[B, H, w, G * rows]``: column block ``g`` keeps the rows
-    of group ``g`` (``w / G`` consecutive rows each), zeros elsewhere."""
-    B, H, w, rows = qk.shape
+    """``[B, H, rows, w]`` -> ``[B, H, G * rows, w]``: row block ``g`` keeps the columns
+    of group ``g`` (``w / G`` consecutive columns each), zeros elsewhere."""
+    B, H, rows, w = qk.shape
     eye = mx.eye(G, dtype=qk.dtype)[:, None, :, None]  # [G, 1, G, 1]
-    blocks = qk.reshape(B, H, G, w // G, 1, rows) * eye
-    return blocks.reshape(B, H, w, G * rows)
+    blocks = qk.reshape(B, H, 1, rows, G, w // G) * eye
+    return blocks.reshape(B, H, G * rows, w)
 
 
 def _diagonal_blocks(o: mx.array, G: int) -> mx.array:
@@ -229,21 +230,20 @@ class ChannelCodes:
         lo, hi = start - g0 * g, stop - g0 * g
         return kt if (lo, hi) == (0, kt.shape[-1]) else kt[..., lo:hi]
 
-    def key_scores(self, qt: mx.array) -> mx.array:
-        k, dt = self.qt, qt.dtype
+    def key_scores(self, qr: mx.array) -> mx.array:
+        k, dt = self.qt, qr.dtype
         if self.packed:
             return mx.quantized_matmul(
-                qt.swapaxes(-1, -2), k.codes, k.scales.astype(dt), k.biases.astype(dt),
-                transpose=False, group_size=k.group_size, bits=k.bits).swapaxes(-1, -2)
+                qr, k.codes, k.scales.astype(dt), k.biases.astype(dt),
+                transpose=False, group_size=k.group_size, bits=k.bits)
         if k.bits not in q.BYTE_BITS or dt != mx.float32:
-            return self._kt(0, self.n, dt).swapaxes(-1, -2) @ qt
+            return qr @ self._kt(0, self.n, dt)
         # Tokens per*j + k of every channel in phase k: scores come out in phase order
         # and are interleaved back (a small [rows, n] copy).
-        qr = qt.swapaxes(-1, -2)  # [B, H, rows, D]
         outs = [qr @ c for c in q.channel_phases(k)]  # [B, H, rows, n / per]
         B, H, rows, _ = qr.shape
         s = outs[0] if len(outs) == 1 else mx.stack(outs, axis=-1)
-        return s.reshape(B, H, rows, self.n).swapaxes(-1, -2)
+        return s.reshape(B, H, rows, self.n)
 
     def value_product(self, p: mx.array) -> mx.array:
         return p @ self.dense(0, self.n, p.dtype)
@@ -271,8 +271,8 @@ class PackedCodes:
                                    transpose=transpose, group_size=qt.group_size,
                                    bits=qt.bits)
 
-    def key_scores(self, qt: mx.array) -> mx.array:
-        return self._qmm(qt.swapaxes(-1, -2), True).swapaxes(-1, -2)
+    def key_scores(self, q: mx.array) -> mx.array:
+        return self._qmm(q, True)
 
     def value_product(self, p: mx.array) -> mx.array:
         return self._qmm(p, False)
@@ -292,10 +292,10 @@ class FloatCodes:
         self.c, self.packed = c, packed
         self.n, self.heads = c.codes.shape[2], c.codes.shape[1]
 
-    def key_scores(self, qt: mx.array) -> mx.array:
+    def key_scores(self, q: mx.array) -> mx.array:
         if self.packed:
-            return fp.matmul(qt.swapaxes(-1, -2), self.c, True).swapaxes(-1, -2)
-        return fp.decode(self.c, qt.dtype) @ qt
+            return fp.matmul(q, self.c, True)
+        return q @ fp.decode(self.c, q.dtype).swapaxes(-1, -2)
 
     def value_product(self, p: mx.array) -> mx.array:
         if self.packed:
