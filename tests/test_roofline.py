@@ -97,3 +97,14 @@ def test_the_limit_is_set_by_bytes_or_by_flops_whichever_binds() -> None:
 def test_machine_rates_are_measured() -> None:
     rates = bench.machine_rates(repeats=1)
     assert rates["read_bytes_per_s"] > 1e8 and rates["matmul_flops_per_s"] > 1e8
+
+
+def test_the_profile_takes_the_specs_as_every_benchmark_does() -> None:
+    """``--profile --methods a,b:x=1,y=2`` parses as the other benchmarks parse it (one
+    parser: a comma inside a method's options stays with that method)."""
+    model = tiny_model("llama", seed=2)
+    rows = bench.profile_decode(model, "kivi:bits=4,group_size=32,turboquant", context=48,
+                                rounds=1)
+    assert [r["method"] for r in rows] == ["none", "kivi:bits=4,group_size=32",
+                                           "turboquant"]
+    assert all(r["step_ms"] > 0 and r["attention_ms"] > 0 for r in rows)

@@ -278,7 +278,7 @@ def _profile_round(model: nn.Module, caches: list[Any], token: mx.array,
     return {k: v * 1e3 for k, v in out.items()}
 
 
-def profile_decode(model: nn.Module, specs: Sequence[str], context: int,
+def profile_decode(model: nn.Module, specs: Sequence[Spec] | str, context: int,
                    rounds: int = 10) -> list[dict[str, Any]]:
     """Where one decode step's time goes at ``context`` tokens, per method (medians of
     ``rounds`` interleaved rounds, ms): ``step_ms`` (a whole step), ``no_kv_ms`` (the
@@ -286,7 +286,7 @@ def profile_decode(model: nn.Module, specs: Sequence[str], context: int,
     ``attention_ms`` (every layer's attention alone), ``codes_ms`` (decoding every layer's
     codes to floats alone, part of attention), ``graph_ms`` (building the step's lazy
     graph in Python, part of the step)."""
-    methods = resolve_methods(list(specs))
+    methods = resolve_methods(specs)
     caches = {m.label: fill_caches(model, m.source, context) for m in methods}
     token = mx.array([[1]], dtype=mx.int32)
     queries = [mx.random.normal((1, model.args.num_attention_heads, 1, c.layer.head_dim))
@@ -332,16 +332,8 @@ def main(argv: list[str] | None = None) -> None:
     from veloxquant_mlx.models import load
 
     model, _ = load()
-    rows = profile_decode(model, args.methods.split(";") if ";" in args.methods
-                          else _split_specs(args.methods), args.context, args.rounds)
+    rows = profile_decode(model, args.methods, args.context, args.rounds)
     print(profile_markdown(rows))
-
-
-def _split_specs(text: str) -> list[str]:
-    """``"none,affine:bits=4,group_size=32,kivi"`` -> one spec per method."""
-    from veloxquant_mlx.eval.perplexity import parse_specs
-
-    return [label for label, _ in parse_specs(text)]
 
 
 if __name__ == "__main__":
