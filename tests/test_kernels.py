@@ -10,8 +10,10 @@ import mlx.core as mx
 import pytest
 from conftest import PROMPT, small_config
 
-from veloxquant_mlx import KVCacheBuilder
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.cache.base import LayerInfo
 from veloxquant_mlx.cache.stored import StoredFormCache
+from veloxquant_mlx.cache.turboquant import TurboQuantCache
 from veloxquant_mlx.ops import kernels
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import attend_parts, sdpa
@@ -161,6 +163,47 @@ def test_the_float_path_never_builds_a_full_size_copy() -> None:
     # runs a few blocks at once; 0.34 with 1024, 0.65 with 4096), 1.27 in one block.
     assert blocked < 0.6 * full, (blocked, full)
     assert whole > 0.9 * full, (whole, full)  # the bound catches a whole-store transient
+
+
+def _layers_of_codes(layers: int, n: int, heads: int) -> list[TurboQuantCache]:
+    out = []
+    for i in range(layers):
+        c = TurboQuantCache(KVCacheConfig("turboquant"),
+                            LayerInfo(layer_idx=i, n_layers=layers, n_kv_heads=heads))
+        k, v = (mx.random.normal((1, heads, n, 64), key=mx.random.key(2 * i + s))
+                for s in (0, 1))
+        c.update_and_fetch(k, v)
+        c.commit()
+        mx.eval(c.state)
+        out.append(c)
+    return out
+
+
+def test_a_step_decodes_a_layers_codes_only_when_the_layer_attends() -> None:
+    """Layers chained as in a model (each layer's queries come from the previous
+    layer's output) over 8160 tokens of TurboQuant codes: the step's transient stays
+    about one layer's keys and values as floats. Untied from the queries, a layer's
+    decode could run at any time, and MLX decoded later layers' codes ahead (2.8 layers'
+    worth here; 4.7 in a decode step of the 30-layer embedded model)."""
+    layers, n, heads, rows = 30, 8160, 3, 3
+    caches = _layers_of_codes(layers, n, heads)
+    width = heads * rows * 64
+    w = mx.random.normal((width, width), key=mx.random.key(7)) * 0.02
+    h = mx.random.normal((1, width), key=mx.random.key(8))
+    mx.eval(w, h)
+    previous = mx.set_cache_limit(0)
+    try:
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        for c in caches:
+            queries = (h @ w).reshape(1, heads * rows, 1, 64)
+            h = h + c.attend(queries, 0.125).reshape(1, width)
+        mx.eval(h)
+        peak = mx.get_peak_memory() - base
+    finally:
+        mx.set_cache_limit(previous)
+    layer_floats = 2 * heads * n * 64 * 4
+    assert peak < 1.5 * layer_floats, peak / layer_floats
 
 
 STORED = [m for m, cls in methods().items() if issubclass(cls, StoredFormCache)]

@@ -108,3 +108,5 @@ def test_the_profile_takes_the_specs_as_every_benchmark_does() -> None:
     assert [r["method"] for r in rows] == ["none", "kivi:bits=4,group_size=32",
                                            "turboquant"]
     assert all(r["step_ms"] > 0 and r["attention_ms"] > 0 for r in rows)
+    # A step allocates at least its logits (vocabulary x float32).
+    assert all(r["step_peak_mib"] * 2**20 >= model.args.vocab_size * 4 for r in rows)

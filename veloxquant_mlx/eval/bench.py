@@ -45,7 +45,7 @@ from veloxquant_mlx.adapter.mlx_lm import attention_routing
 from veloxquant_mlx.adapter.retained import CacheSource, build_caches, measure_retained
 from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.eval.perplexity import Method, Spec, check_model_context, resolve_methods
-from veloxquant_mlx.memory import active_bytes
+from veloxquant_mlx.memory import active_bytes, no_buffer_cache
 from veloxquant_mlx.ops.attention import sdpa, split_attention
 from veloxquant_mlx.ops.parts import slot_parts
 
@@ -263,9 +263,10 @@ def _profile_round(model: nn.Module, caches: list[Any], token: mx.array,
     logits = model(token, cache=caches)
     out["graph_ms"] = time.perf_counter() - t
     mx.eval(logits)
+    peak = _step_peak(model, caches, token)
     for c in caches:
         if c.is_trimmable():
-            c.trim(2)
+            c.trim(3)
     out["no_kv_ms"] = _timed(lambda: model(token))
     out["attention_ms"] = _timed(lambda: [_layer_attention(c, q)
                                           for c, q in zip(caches, queries)])
@@ -275,7 +276,20 @@ def _profile_round(model: nn.Module, caches: list[Any], token: mx.array,
         out["shared_ms"] = _timed(lambda: [
             split_attention(q, [c.dense_kv()], q.shape[-1] ** -0.5)
             for c, q in zip(caches, queries)])
-    return {k: v * 1e3 for k, v in out.items()}
+    return {**{k: v * 1e3 for k, v in out.items()}, "step_peak_mib": peak / 2**20}
+
+
+def _step_peak(model: nn.Module, caches: list[Any], token: mx.array) -> float:
+    """Bytes MLX allocated at the peak of one decode step beyond what was alive before:
+    the step's transients (decoded codes, scores, the model's own), with the buffer
+    cache off so a recycled buffer does not hide an allocation."""
+    mx.synchronize()
+    with no_buffer_cache():
+        base = active_bytes()
+        mx.reset_peak_memory()
+        mx.eval(model(token, cache=caches))
+        mx.synchronize()
+        return mx.get_peak_memory() - base
 
 
 def profile_decode(model: nn.Module, specs: Sequence[Spec] | str, context: int,
@@ -285,7 +299,8 @@ def profile_decode(model: nn.Module, specs: Sequence[Spec] | str, context: int,
     model on one token without a cache: weight matmuls, norms and per-op overhead),
     ``attention_ms`` (every layer's attention alone), ``codes_ms`` (decoding every layer's
     codes to floats alone, part of attention), ``graph_ms`` (building the step's lazy
-    graph in Python, part of the step)."""
+    graph in Python, part of the step); ``step_peak_mib`` (the most one step allocated
+    beyond what was alive before it, MiB, the largest of the rounds)."""
     methods = resolve_methods(specs)
     caches = {m.label: fill_caches(model, m.source, context) for m in methods}
     token = mx.array([[1]], dtype=mx.int32)
@@ -301,13 +316,15 @@ def profile_decode(model: nn.Module, specs: Sequence[Spec] | str, context: int,
     rows = []
     for m in methods:
         row = {"method": m.label, "context": context}
-        row.update({k: statistics.median(x[k] for x in runs[m.label]) for k in runs[m.label][0]})
+        row.update({k: (max if k == "step_peak_mib" else statistics.median)(
+            x[k] for x in runs[m.label]) for k in runs[m.label][0]})
         row["other_ms"] = row["step_ms"] - row["no_kv_ms"] - row["attention_ms"]
         rows.append(row)
     return rows
 
 
-PROFILE_COLUMNS = ("step_ms", "no_kv_ms", "attention_ms", "codes_ms", "other_ms", "graph_ms")
+PROFILE_COLUMNS = ("step_ms", "no_kv_ms", "attention_ms", "codes_ms", "other_ms", "graph_ms",
+                   "step_peak_mib")
 
 
 def profile_markdown(rows: list[dict[str, Any]]) -> str:
