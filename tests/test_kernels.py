@@ -14,6 +14,7 @@ from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.cache.base import LayerInfo
 from veloxquant_mlx.cache.stored import StoredFormCache
 from veloxquant_mlx.cache.turboquant import TurboQuantCache
+from veloxquant_mlx.memory import transient_peak
 from veloxquant_mlx.ops import kernels
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import attend_parts, sdpa
@@ -141,24 +142,16 @@ def _peak_of_attend(slot: Slot, block: int) -> int:
     values, _ = _store("token", 4, 32, slot.n)
     queries = mx.random.normal((B, 2 * H, 1, D))
     mx.eval(queries, values.arrays, slot.arrays)
-    mx.reset_peak_memory()
-    base = mx.get_active_memory()
-    out = attend_parts(queries, _parts(slot, "floats", block), _parts(values, "floats", block),
-                       D ** -0.5)
-    mx.eval(out)
-    return mx.get_peak_memory() - base
+    return transient_peak(lambda: attend_parts(
+        queries, _parts(slot, "floats", block), _parts(values, "floats", block), D ** -0.5))
 
 
 def test_the_float_path_never_builds_a_full_size_copy() -> None:
     n = 16384
     slot, _ = _store("token", 4, 32, n)
     full = 2 * B * H * n * D * 4  # the key and value stores as float32
-    previous = mx.set_cache_limit(0)
-    try:
-        blocked = _peak_of_attend(slot, kernels.BLOCK)
-        whole = _peak_of_attend(slot, n)  # one block: what the path did before
-    finally:
-        mx.set_cache_limit(previous)
+    blocked = _peak_of_attend(slot, kernels.BLOCK)
+    whole = _peak_of_attend(slot, n)  # one block: what the path did before
     # Measured: about 0.49 of the stores' float size with blocks of 2048 tokens (MLX
     # runs a few blocks at once; 0.34 with 1024, 0.65 with 4096), 1.27 in one block.
     assert blocked < 0.6 * full, (blocked, full)
@@ -183,25 +176,23 @@ def test_a_step_decodes_a_layers_codes_only_when_the_layer_attends() -> None:
     """Layers chained as in a model (each layer's queries come from the previous
     layer's output) over 8160 tokens of TurboQuant codes: the step's transient stays
     about one layer's keys and values as floats. Untied from the queries, a layer's
-    decode could run at any time, and MLX decoded later layers' codes ahead (2.8 layers'
-    worth here; 4.7 in a decode step of the 30-layer embedded model)."""
+    decode could run at any time, and MLX decoded later layers' codes ahead (2.5 layers'
+    worth here; 4.3-4.7 in a decode step of the 30-layer embedded model)."""
     layers, n, heads, rows = 30, 8160, 3, 3
     caches = _layers_of_codes(layers, n, heads)
     width = heads * rows * 64
     w = mx.random.normal((width, width), key=mx.random.key(7)) * 0.02
     h = mx.random.normal((1, width), key=mx.random.key(8))
     mx.eval(w, h)
-    previous = mx.set_cache_limit(0)
-    try:
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
+
+    def step() -> mx.array:
+        out = h
         for c in caches:
-            queries = (h @ w).reshape(1, heads * rows, 1, 64)
-            h = h + c.attend(queries, 0.125).reshape(1, width)
-        mx.eval(h)
-        peak = mx.get_peak_memory() - base
-    finally:
-        mx.set_cache_limit(previous)
+            queries = (out @ w).reshape(1, heads * rows, 1, 64)
+            out = out + c.attend(queries, 0.125).reshape(1, width)
+        return out
+
+    peak = transient_peak(step)
     layer_floats = 2 * heads * n * 64 * 4
     assert peak < 1.5 * layer_floats, peak / layer_floats
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -15,6 +14,7 @@ from veloxquant_mlx import ConfigError, KVCacheConfig
 from veloxquant_mlx.cache.base import LayerInfo
 from veloxquant_mlx.cache.dense import DenseCache
 from veloxquant_mlx.cache.turboquant import TurboQuantCache
+from veloxquant_mlx.memory import transient_peak
 from veloxquant_mlx.ops import codebook as cb
 from veloxquant_mlx.ops.attention import sdpa
 from veloxquant_mlx.ops.rotation import hadamard, random_rotation
@@ -253,15 +253,6 @@ def test_centroid_phases_equal_the_whole_byte_kernel(bits: int) -> None:
     assert all(mx.array_equal(a, w).item() for (a, _, _), w in zip(phases, whole))
 
 
-def _peak_over(f: Any) -> int:
-    mx.synchronize()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    mx.eval(f())
-    mx.synchronize()
-    return mx.get_peak_memory() - base
-
-
 def test_a_phase_decodes_in_one_fused_pass() -> None:
     """A 4-bit byte phase's kernel (TurboQuant's default width) allocates its output and
     nothing else: written as ``t * t`` the square stopped MLX's shapeless compile from
@@ -272,10 +263,6 @@ def test_a_phase_decodes_in_one_fused_pass() -> None:
                   packing="bytes")
     mx.eval(c.arrays)
     out_bytes = c.parts[0].size * 4
-    previous = mx.set_cache_limit(0)
-    try:
-        peaks = [_peak_over(partial(cb._phase_kernel(bits, k), c.parts[0]))
-                 for k in range(8 // bits)]
-    finally:
-        mx.set_cache_limit(previous)
+    peaks = [transient_peak(partial(cb._phase_kernel(bits, k), c.parts[0]))
+             for k in range(8 // bits)]
     assert max(peaks) < 1.1 * out_bytes, (peaks, out_bytes)

@@ -45,7 +45,7 @@ from veloxquant_mlx.adapter.mlx_lm import attention_routing
 from veloxquant_mlx.adapter.retained import CacheSource, build_caches, measure_retained
 from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.eval.perplexity import Method, Spec, check_model_context, resolve_methods
-from veloxquant_mlx.memory import active_bytes, no_buffer_cache
+from veloxquant_mlx.memory import active_bytes, transient_peak
 from veloxquant_mlx.ops.attention import sdpa, split_attention
 from veloxquant_mlx.ops.parts import slot_parts
 
@@ -263,7 +263,8 @@ def _profile_round(model: nn.Module, caches: list[Any], token: mx.array,
     logits = model(token, cache=caches)
     out["graph_ms"] = time.perf_counter() - t
     mx.eval(logits)
-    peak = _step_peak(model, caches, token)
+    # The step's transients: decoded codes, scores, the model's own.
+    peak = transient_peak(lambda: model(token, cache=caches))
     for c in caches:
         if c.is_trimmable():
             c.trim(3)
@@ -277,19 +278,6 @@ def _profile_round(model: nn.Module, caches: list[Any], token: mx.array,
             split_attention(q, [c.dense_kv()], q.shape[-1] ** -0.5)
             for c, q in zip(caches, queries)])
     return {**{k: v * 1e3 for k, v in out.items()}, "step_peak_mib": peak / 2**20}
-
-
-def _step_peak(model: nn.Module, caches: list[Any], token: mx.array) -> float:
-    """Bytes MLX allocated at the peak of one decode step beyond what was alive before:
-    the step's transients (decoded codes, scores, the model's own), with the buffer
-    cache off so a recycled buffer does not hide an allocation."""
-    mx.synchronize()
-    with no_buffer_cache():
-        base = active_bytes()
-        mx.reset_peak_memory()
-        mx.eval(model(token, cache=caches))
-        mx.synchronize()
-        return mx.get_peak_memory() - base
 
 
 def profile_decode(model: nn.Module, specs: Sequence[Spec] | str, context: int,
