@@ -108,6 +108,44 @@ def test_saved_stack_continues_exactly(model, tmp_path: Path, spec: str) -> None
         assert mx.allclose(a, b, atol=1e-5).item()
 
 
+PLANES_SPECS = ["streaming:sink=4,window=40,store=codebook,k_bits=4,v_bits=2",
+                "snapkv:capacity=40,window=8,sink=4,store=codebook,k_bits=4,v_bits=2"]
+
+
+def _coded_ranks(caches) -> set[int]:
+    """ndim of every code array held (bit planes of a 4- or 2-bit width: 5, bytes: 4)."""
+    blocks = [getattr(c, "win", None) or getattr(getattr(c, "codes", None), "arrays", None)
+              for c in caches]
+    return {a.ndim for b in blocks if b for a in b if a.dtype == mx.uint8}
+
+
+@pytest.mark.parametrize("spec", PLANES_SPECS)
+def test_a_codebook_store_codes_in_bytes(model, spec: str) -> None:
+    """Bytes, not bit planes: planes made a streaming step's attention over 764 coded
+    tokens 6x slower (3.6 ms against 0.6 per layer)."""
+    _, caches = _run(model, spec)
+    assert _coded_ranks(caches) == {4}
+
+
+@pytest.mark.parametrize("spec", PLANES_SPECS)
+def test_a_store_saved_in_bit_planes_loads_and_goes_on_in_planes(
+        model, tmp_path: Path, spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Caches saved before byte packing: loaded, they code new tokens as they were
+    coded (a mix would not concatenate) and continue as the cache that saved them."""
+    with monkeypatch.context() as m:
+        m.setattr(ks, "_codec", lambda kind, bits, g, dim: ks.CodebookCodes(
+            bits, dim, packing="planes"))
+        _, caches = _run(model, spec, follow=(5,))
+    assert _coded_ranks(caches) == {5}
+    save_prompt_cache(tmp_path / "p.safetensors", caches)
+    loaded = load_prompt_cache(tmp_path / "p.safetensors", model=model)
+    for tok in (9, 17, 33):
+        a = model(mx.array([[tok]]), cache=caches)
+        b = model(mx.array([[tok]]), cache=loaded)
+        assert mx.allclose(a, b, atol=1e-5).item()
+    assert _coded_ranks(loaded) == {5}
+
+
 @pytest.mark.parametrize("store", ["", ",store=affine,k_bits=4,v_bits=4"])
 def test_snapkv_trims_exactly_after_the_keep_set(model, store: str) -> None:
     spec = "snapkv:capacity=40,window=8" + store

@@ -40,14 +40,14 @@ from veloxquant_mlx.errors import Refusal, UnsupportedModelError
 from veloxquant_mlx.registry import get_method, methods
 
 
-def _block_of(blocks: list[nn.Module], module: nn.Module | None) -> nn.Module | None:
-    """The transformer block that holds ``module`` (the attention that owns a slot)."""
-    if module is None:
-        return None
+def _blocks_by_member(blocks: list[nn.Module]) -> dict[int, nn.Module]:
+    """``id`` of every module inside a transformer block -> the block (the first that
+    holds it): one walk of the blocks, not one per slot."""
+    out: dict[int, nn.Module] = {}
     for block in blocks:
-        if block is module or any(m is module for m in block.modules()):
-            return block
-    return None
+        for m in (block, *block.modules()):
+            out.setdefault(id(m), block)
+    return out
 
 
 def _model_type(model: nn.Module) -> str:
@@ -115,6 +115,7 @@ class KVCacheBuilder:
             blocks = model_layers(model)
         except ValueError:
             blocks = []
+        owner_block = _blocks_by_member(blocks)
         infos: list[LayerInfo | None] = []
         for p in probes:
             if p is None or not p.used:
@@ -124,7 +125,7 @@ class KVCacheBuilder:
             infos.append(LayerInfo(
                 layer_idx=p.slot, n_layers=len(probes), n_kv_heads=n_kv_heads,
                 head_dim=head_dim, v_head_dim=v_head_dim, attention=p.owner,
-                block=_block_of(blocks, p.owner), model_type=_model_type(model),
+                block=owner_block.get(id(p.owner)), model_type=_model_type(model),
                 sliding_window=p.window, **rope_params(getattr(p.owner, "rope", None)),
             ))
         return infos

@@ -339,10 +339,8 @@ class CodebookCodes(_Buffered):
 
     def load(self, entries: Sequence[mx.array | None]) -> None:
         super().load(entries)
-        if entries[0] is not None:  # a byte-packable width saved as [.., g, bits]: planes
-            planes = any(a.ndim == 5 for a, (_, b) in zip(entries, self.widths)
-                         if b in cb.BYTE_WIDTHS)
-            self.packing = "planes" if planes else "bytes"
+        if entries[0] is not None:
+            self.packing = cb.packing_of(entries, self.widths)
 
 
 class FloatCodes(_Buffered):

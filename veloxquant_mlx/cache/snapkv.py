@@ -377,6 +377,7 @@ class SnapKVCache(ks.StoreCapabilities, CompressedCache):
         if self.coded:  # meta_state (set first) says how the state is laid out
             self.sink_kv, self.fresh = v[0], v[1]
             self.codes.load(v[2])
+            self.store.adopt(v[2])
             return
         self._set_held(*((v[0], v[1]) if v else (None, None)))
         self.obs_queries = v[2] if len(v) > 2 else None

@@ -403,5 +403,6 @@ class StreamingCache(ks.StoreCapabilities, CompressedCache):
         self.ring, self._pending = 0, None
         if self.store.quantized:
             self.sink_kv, self.win, self.fresh = v
+            self.store.adopt(self.win)
             return
         self.keys, self.values = (v[0], v[1]) if v else (None, None)

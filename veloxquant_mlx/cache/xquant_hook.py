@@ -29,6 +29,7 @@ from veloxquant_mlx.cache.base import LayerInfo, depend_on_state
 from veloxquant_mlx.cache.module_call import below, hook_module, original_class, unhook_module
 from veloxquant_mlx.cache.xquant_generic import X_HOOK, GenericXPath, x_generic_call
 from veloxquant_mlx.errors import Refusal, UnsupportedModelError
+from veloxquant_mlx.ops import rope
 from veloxquant_mlx.ops.attention import masked_softmax, sdpa
 
 XQUANT_ATTENTION_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
@@ -151,7 +152,7 @@ class XProjection:
     def rematerialize(self, parts: list[mx.array], dtype: mx.Dtype) -> tuple[mx.array,
                                                                             mx.array]:
         """Keys (RoPE from position 0) and values of the tokens stored as ``parts``."""
-        keys = self.attn.rope(self.keys(parts))
+        keys = rope.apply(self.attn.rope, self.keys(parts))
         return keys.astype(dtype), self.values(parts).astype(dtype)
 
     def factored_pays(self, n_queries: int) -> bool:
@@ -176,7 +177,7 @@ class XProjection:
         row of probabilities sums to one.
         """
         B, Hq, L, D = queries.shape
-        keys = [self.attn.rope(self.keys(parts), offset=start) for start, parts in segments]
+        keys = [rope.apply(self.attn.rope, self.keys(parts), start) for start, parts in segments]
         if not self.factored_pays(Hq * L):
             k = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
             v = [self.values(parts) for _, parts in segments]

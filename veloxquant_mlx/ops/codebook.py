@@ -24,7 +24,7 @@ decode.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -143,6 +143,13 @@ def pack_bytes(codes: mx.array, bits: int) -> mx.array:
     c = codes.astype(mx.uint8).reshape(*lead, n // per, per)
     shifts = mx.arange(0, 8, bits, dtype=mx.uint8)
     return (c << shifts).sum(axis=-1).astype(mx.uint8)  # disjoint bits: sum == or
+
+
+def packing_of(parts: Sequence[mx.array], widths: Sequence[tuple[int, int]]) -> str:
+    """The packing of saved codes: a byte width held as [.., groups, bits] is in bit
+    planes (caches saved before byte packing), as [.., bytes] in bytes."""
+    planes = any(p.ndim == 5 for p, (_, b) in zip(parts, widths) if b in BYTE_WIDTHS)
+    return "planes" if planes else "bytes"
 
 
 def packed_in_bytes(packing: str, bits: int) -> bool:
