@@ -329,8 +329,9 @@ class Run:
 
 # About how long one task of each stage takes, relative to the others (for the progress
 # bar's estimate of time left): bytes of one candidate, one screen, one finalist on one
-# window (its prefill and decode steps), on the embedded model at 1024 tokens.
-COST = {"calibration": 5.0, "recording": 5.0, "bytes": 0.25, "screen": 2.8, "final": 21.0}
+# window (its prefill and decode steps), in seconds on the embedded model at 1024 tokens
+# (tune --quick, 2026-12-03).
+COST = {"calibration": 8.0, "recording": 6.0, "bytes": 0.3, "screen": 2.7, "final": 14.0}
 
 
 def measure_bytes(run: Run, configs: list[KVCacheConfig]) -> dict[str, float | str]:
