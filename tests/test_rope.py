@@ -1,5 +1,5 @@
 """RoPE by angle addition (long runs on the CPU) equals MLX's own within the rounding of
-a float32 angle, and undoes itself."""
+a float32 angle, and ``unrotate`` undoes the model's own rotation."""
 
 import mlx.core as mx
 import pytest
@@ -33,9 +33,9 @@ def test_rotate_equals_mlx_fast_rope(length: int, offset: int, dims: int, scale:
 
 
 def test_angles_by_addition_are_the_angles() -> None:
-    """cos/sin of every position from the coarse and fine tables, against MLX's cos/sin of
-    the same angles computed in float64 by numpy, at far positions and a length that is
-    not a multiple of the fine step."""
+    """cos/sin of every position from the coarse and fine tables, against numpy's
+    float64 cos/sin of the exact angles, at far positions and a length that is not a
+    multiple of the fine step."""
     import numpy as np
 
     cos, sin = rope.angles(1000, 7000, 64, 10000.0, 0.5)

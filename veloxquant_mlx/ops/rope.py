@@ -20,12 +20,14 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from veloxquant_mlx.ops.kernels import on_gpu
+
 
 def rotate(x: mx.array, dims: int, base: float, traditional: bool, scale: float,
            offset: int) -> mx.array:
     """Apply RoPE to ``x`` [..., L, head_dim] for positions ``offset .. offset+L-1``
     (every decode step: on the CPU, long runs by angle addition)."""
-    if mx.default_device() != mx.cpu or x.shape[-2] < 2 * FINE:
+    if on_gpu() or x.shape[-2] < 2 * FINE:
         return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale,
                             offset=offset)
     return _rotate_by_table(x, dims, base, traditional, scale, offset)
