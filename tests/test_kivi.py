@@ -46,6 +46,7 @@ def step(cache: KIVICache, k: mx.array, v: mx.array, n_q_heads: int | None = Non
     ({"window": 0}, "window", "multiple of group_size=32"),
     ({"window": 100}, "window", "multiple of group_size=32"),
     ({"window": 64, "group_size": 128}, "window", "multiple of group_size=128"),
+    ({"block": 0}, "block", "block=0"),
 ])
 def test_bad_config_names_field_and_value(options, field, text):
     with pytest.raises(ConfigError, match=f"kivi.{field}=") as err:
@@ -65,19 +66,26 @@ def test_defaults_follow_the_paper():
 
 
 # ---------------------------------------------------------------- schedule
-def test_flush_schedule_follows_reference():
+@pytest.mark.parametrize("block", [1, 16])
+def test_flush_schedule_follows_reference(block: int):
     mx.random.seed(0)
-    c = make_cache(bits=4)
+    c = make_cache(bits=4, block=block)
     step(c, mx.random.normal((1, 2, 300, 32)), mx.random.normal((1, 2, 300, 32)))
+
+    def values_held(t: int) -> int:
+        # The last R, and (block > 1) the older ones not yet a whole block: the
+        # reference code (block=1) keeps exactly R.
+        return 128 + (t - 128) % block
+
     # Keys: whole blocks of R quantized, 300 % 128 = 44 left; values: last R kept.
     assert c.codes[0].qt.codes.shape == (1, 2, 32, 256 * 4 // 32)
-    assert c.residual[0].x.shape[2] == 44 and c.residual[1].x.shape[2] == 128
-    assert c.codes[1].n == 172
+    assert c.residual[0].x.shape[2] == 44 and c.residual[1].x.shape[2] == values_held(300)
+    assert c.codes[1].n == 300 - values_held(300)
     for t in range(301, 385):
         step(c, mx.random.normal((1, 2, 1, 32)), mx.random.normal((1, 2, 1, 32)))
         n_kr = 0 if c.residual[0].x is None else c.residual[0].x.shape[2]
-        assert n_kr == (t % 128) and c.residual[1].x.shape[2] == 128
-        assert c.codes[1].n == t - 128
+        assert n_kr == (t % 128) and c.residual[1].x.shape[2] == values_held(t)
+        assert c.codes[1].n == t - values_held(t)
     assert c.residual[0].x is None and c.codes[0].qt.scales.shape[-1] == 384 // 32
     assert c.offset == 384
 

@@ -89,10 +89,10 @@ def keep_dense_copy(monkeypatch: pytest.MonkeyPatch, cls: type) -> None:
     name = "update_x" if hasattr(cls, "update_x") else "update_and_fetch"
     store = getattr(cls, name)
 
-    def hoarding(self: Any, x: mx.array, *rest: Any) -> Any:
+    def hoarding(self: Any, x: mx.array, *rest: Any, **kw: Any) -> Any:
         kept = self.__dict__.get("_dense_copy")  # token axis: -2 for keys and for X
         self._dense_copy = x if kept is None else mx.concatenate([kept, x], axis=-2)
-        return store(self, x, *rest)
+        return store(self, x, *rest, **kw)
 
     monkeypatch.setattr(cls, name, hoarding)
 

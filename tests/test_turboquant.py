@@ -164,17 +164,19 @@ def test_rotation_is_what_makes_outlier_keys_cheap() -> None:
     assert errs[True] < 0.5 * errs[False]
 
 
-def test_sinks_and_window_stay_exact_and_bytes_are_what_is_declared() -> None:
+@pytest.mark.parametrize("block", [1, 16])
+def test_sinks_and_window_stay_exact_and_bytes_are_what_is_declared(block: int) -> None:
     q, k, v = _kv(70, 4)
-    c = _cache(k_bits=3, v_bits=2, sink=4, window=16)
+    c = _cache(k_bits=3, v_bits=2, sink=4, window=16, block=block)
     _attention_error(c, q, k, v, 30)
     dk, dv = c.dense_kv()
     # Sinks and the window are float16 copies of the (rotated, then unrotated) input.
     for got, want in ((dk, k), (dv, v)):
         assert mx.abs(got[:, :, :4] - want[:, :, :4]).max().item() < 1e-2
         assert mx.abs(got[:, :, -16:] - want[:, :, -16:]).max().item() < 1e-2
-    n_coded = 70 - 4 - 16
-    assert c.codes[0].buf.n == n_coded
+    # Tokens leave the window in whole blocks: 50 past the sinks and the window.
+    n_coded = 50 - 50 % block
+    assert c.codes[0].buf.n == n_coded and c.window[0].n == 70 - 4 - n_coded
     assert c.nbytes == c.accounted_bytes()
     per_token = cb.coded_bytes(1, 64, 3) + cb.coded_bytes(1, 64, 2)
     assert c.codes[0].buf.nbytes() + c.codes[1].buf.nbytes() == \
@@ -206,6 +208,7 @@ def test_trim_drops_exactly_the_last_tokens(drop: int) -> None:
     (dict(quantizer="lattice"), r"turboquant.quantizer='lattice'"),
     (dict(quantizer="float", k_bits=6), r"turboquant.k_bits=6.*\[4, 8\].*float"),
     (dict(window=-1), r"turboquant.window=-1"),
+    (dict(block=0), r"turboquant.block=0"),
     (dict(rotate="yes"), r"turboquant.rotate='yes'"),
 ])
 def test_bad_options_name_the_field(opts: dict, match: str) -> None:

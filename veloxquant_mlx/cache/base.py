@@ -57,10 +57,7 @@ class NotTrimmableError(ValueError, NotImplementedError):
 
 @dataclass
 class LayerInfo:
-    """What a layer's cache knows about its place in the model.
-
-    Filled in by ``KVCacheBuilder.for_model``; tests may build it by hand.
-    """
+    """What a layer's cache knows of its place in the model (``KVCacheBuilder.for_model``)."""
 
     layer_idx: int = 0
     n_layers: int = 1
@@ -83,9 +80,7 @@ class LayerInfo:
     attention: Any = field(default=None, repr=False, compare=False)
     block: Any = field(default=None, repr=False, compare=False)
     model_type: str = ""
-
-    # Injected by the adapter: whether the model's attention still reaches this cache
-    # (False once the model's caches were detached).
+    # Injected by the adapter: False once the model's attention no longer reaches it.
     routing: Any = field(default=None, repr=False, compare=False)
 
     LIVE: ClassVar[tuple[str, ...]] = ("coordinator", "attention", "block", "routing")
@@ -239,6 +234,11 @@ class CompressedCache(StepCost, _BaseCache, ABC):
     @abstractmethod
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store a chunk; return dense keys/values, or the chunk itself when ``attends``."""
+
+    def incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
+        """The per-sequence-independent part of ``update_and_fetch`` (a rotation, a cast) or
+        None; a batch computes it once and passes each row its slice as ``incoming=``."""
+        return None
 
     @abstractmethod
     def held_arrays(self) -> list[mx.array]:

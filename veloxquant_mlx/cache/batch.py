@@ -84,13 +84,31 @@ class BatchedCache(_BaseCache):
         # tokens, so finite too), then none per row: each would wait for the layer.
         if keys.shape[2] > 1:
             finite.require(keys, values, f"a batch of {len(self.caches)} sequences")
+        shared = self._incoming(keys, values)
         with finite.checked():
             for i, (c, r) in enumerate(zip(self.caches, self._real)):
                 kv = None
-                if r:
+                if r and shared is None:
                     kv = c.update_and_fetch(keys[i:i + 1, :, :r], values[i:i + 1, :, :r])
+                elif r:
+                    kv = c.update_and_fetch(keys[i:i + 1, :, :r], values[i:i + 1, :, :r],
+                                            incoming=tuple(x[i:i + 1, :, :r] for x in shared))
                 self._dense.append(None if c.attends else kv)
         return keys, values
+
+    def _incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, ...] | None:
+        """What every row would make of its tokens alike (``incoming``), computed once
+        for the batch, when the rows are of one class, config and constants."""
+        first = self.caches[0]
+        hook = getattr(first, "incoming", None)
+        if hook is None or any(type(c) is not type(first) or c.config != first.config
+                               for c in self.caches):
+            return None
+        mine = first.constants()
+        if any(len(c.constants()) != len(mine)
+               or any(a is not b for a, b in zip(c.constants(), mine)) for c in self.caches):
+            return None
+        return hook(keys, values)
 
     def _attend_at_once(self, queries: mx.array, scale: float) -> mx.array | None:
         """A decode step of every row in one call, where the rows' class lays their

@@ -57,17 +57,20 @@ class KIVIOptions(MethodOptions):
 
     bits: code width of keys and values; group_size: tokens per key group (per
     channel) and channels per value group (per token); window: the full-precision
-    residual R, a multiple of ``group_size``.
+    residual R, a multiple of ``group_size``; block: values older than the last R
+    leave the residual this many at a time (1: one per step, as the reference code).
     """
 
     bits: int = 2
     group_size: int = 32
     window: int = 128
+    block: int = 16
 
     def __post_init__(self) -> None:
         self.check_int("bits", KIVI_BITS)
         self.check_int("group_size", q.AFFINE_GROUP_SIZES)
         self.check_int("window", minimum=0)
+        self.check_int("block", minimum=1)
         if self.window == 0 or self.window % self.group_size:
             raise self.error("window", f"a positive multiple of group_size={self.group_size} "
                              "(KIVI quantizes the key residual in blocks of window tokens)")
@@ -114,8 +117,8 @@ class KIVICache(StoredFormCache):
     @classmethod
     def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
         """Keys: whole blocks of ``window`` tokens coded per channel in groups of
-        ``group_size`` tokens; values: per token once older than the last ``window``;
-        both coded at the next update (a step attends over its tokens as received);
+        ``group_size`` tokens; values: per token once older than the last ``window``, in
+        blocks of ``block``; both coded at the next update (a step attends over its tokens as received);
         trimming cuts key groups as ``trim`` says. Exact but for code flips (measured: at
         most 0.1 of a step at 4 bits)."""
         o = config.layer_options(layer.layer_idx)
@@ -123,7 +126,7 @@ class KIVICache(StoredFormCache):
         keys = Stream(channel_roundtrip(o.bits, o.group_size), block=o.window,
                       commit="next", hold=hold, trim_group=o.group_size)
         values = Stream(affine_roundtrip(o.bits, o.group_size), keep=o.window,
-                        commit="next", hold=hold)
+                        block=o.block, commit="next", hold=hold)
         return StoredNumerics(keys, values, bound=code_flips(o.bits, 0.25))
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
@@ -142,23 +145,33 @@ class KIVICache(StoredFormCache):
                                  [self.codes[1], self.residual[1]],
                                  state_order=[*self.residual, *self.codes])
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The chunk in the residual's dtype."""
+        wdt = self.window_dtype(keys.dtype)
+        return keys.astype(wdt), values.astype(wdt)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array,
+                         incoming: tuple[mx.array, mx.array] | None = None
+                         ) -> tuple[mx.array, mx.array]:
         self.begin(keys, values)  # a step that did not attend leaves its tokens uncoded
         wdt = self.window_dtype(keys.dtype)
-        for res, x in zip(self.residual, (keys, values)):
+        for res, x in zip(self.residual, incoming or self.incoming(keys, values)):
             res.dtype = wdt
             res.append(x)
         return keys, values
 
     def commit(self) -> None:
         """Code what has left the residual, as the reference does after a step attended
-        over it in full precision: keys in whole blocks of R, values once older than R."""
+        over it in full precision: keys in whole blocks of R, values once older than R,
+        ``block`` at a time (coding one per step cost every layer a few small MLX
+        operations per step and row of a batch, measured)."""
         R = self.window
         res_k, res_v = self.residual
         n_q = res_k.n - res_k.n % R
         if n_q:
             self.codes[0].append(res_k.take(n_q))
-        if res_v.n > R:
-            extra = res_v.n - R
-            # In place: a decode step copies nothing (its residual pins one token more).
+        extra = res_v.n - R
+        extra -= extra % self.opts.block
+        if extra > 0:
+            # One token is taken in place (the residual pins it); more are copied out.
             self.codes[1].append(res_v.take(extra, copy=extra > 1).astype(mx.float32))

@@ -36,11 +36,21 @@ def _zeros(like: mx.array, axis: int, size: int) -> mx.array:
     return mx.broadcast_to(mx.array(0, like.dtype), shape)
 
 
+def _words(a: mx.array) -> mx.array:
+    """Bytes (codes) as 32-bit words where the last axis allows: MLX copies a
+    concatenation element by element, so a quarter of the elements take about half the
+    time (8 rows of 700 tokens of 4-bit codes, measured)."""
+    return a.view(mx.uint32) if a.dtype == mx.uint8 and a.shape[-1] % 4 == 0 else a
+
+
 def _laid(arrays: Sequence[mx.array | None], like: mx.array, axis: int, have: list[int],
           want: int) -> mx.array:
     """Rows' arrays ``[1, H, ...]`` (``None``: empty) padded to ``want`` entries along
     ``axis`` and laid side by side as ``[H, B, ...]``."""
     B, H = len(arrays), like.shape[1]
+    if axis in (2, 2 - like.ndim) and _words(like) is not like:
+        words = [None if a is None else _words(a) for a in arrays]
+        return _laid(words, _words(like), axis, have, want).view(like.dtype)
     if axis in (2, 2 - like.ndim):  # the token axis is the one after the head
         pieces = []
         for a, n in zip(arrays, have):
