@@ -16,7 +16,7 @@ Layers, lowest first; a module may import its own layer and the layers below it:
    (``memory``), the 0.1 compatibility (``compat``) and ``cache/``.
 3. adapter: ``adapter/`` (mlx_lm routing, probe, builder, prefill, retained-bytes
    measurement) and ``models/`` (model loading).
-4. applications: ``apps/`` (saved caches, server, distributed runs, demo, BLAS).
+4. applications: ``apps/`` (saved caches, server, distributed runs, demo, BLAS, malloc thresholds).
 5. tools: ``eval/`` (harness, bench, tune, load tests; a load test starts the server).
 6. entry points: the package ``__init__``, ``cli`` and ``__main__``.
 

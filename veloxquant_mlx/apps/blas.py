@@ -20,6 +20,8 @@ import sys
 import warnings
 from typing import Any
 
+from veloxquant_mlx.apps.malloc import tune_malloc
+
 ENV_BLAS = "VELOXQUANT_BLAS"  # explicit path of the library to preload
 ENV_DISABLE = "VELOXQUANT_NO_FAST_BLAS"  # "1" turns the whole mechanism off
 ENV_GUARD = "VELOXQUANT_BLAS_REEXEC"  # set in the re-executed child: never loop
@@ -146,7 +148,9 @@ def ensure_fast_blas(argv: list[str] | None = None) -> None:
     library is already preloaded, or in the child of a previous re-exec. ``argv``:
     the arguments after the interpreter (default: ``sys.orig_argv[1:]``, which
     keeps ``-m module`` and interpreter flags). Does not return when it re-execs.
+    Also sets glibc's malloc thresholds for MLX's CPU transients (``apps.malloc``).
     """
+    tune_malloc()
     if sys.platform != "linux" or os.environ.get(ENV_GUARD):
         return
     if os.environ.get(ENV_DISABLE, "") not in ("", "0"):
@@ -175,6 +179,7 @@ def preload_for_pytest(config: Any = None) -> None:
     is flushed and the descriptors restored first, so the re-executed pytest
     writes to the terminal.
     """
+    tune_malloc()  # every process of the run, xdist workers included
     if sys.platform != "linux" or os.environ.get(ENV_GUARD):
         return
     # pytest-xdist workers inherit the controller's (already re-executed) env.

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from veloxquant_mlx.apps.malloc import child_env
 from veloxquant_mlx.eval.loadtest import (
     ENGLISH,
     ServerProcess,
@@ -56,14 +57,21 @@ class MlxLmServer(ServerProcess):
                     "--host", "127.0.0.1", "--port", str(self.port)]
 
     def __enter__(self) -> MlxLmServer:
-        # Our CLI preloads the fast BLAS itself; give mlx_lm's server the same one.
+        # Our CLI preloads the fast BLAS and sets malloc's thresholds itself; give
+        # mlx_lm's server the same process.
+        extra = child_env({})
         if Path(OPENBLAS).exists() and "LD_PRELOAD" not in os.environ:
-            os.environ["LD_PRELOAD"] = OPENBLAS
-            try:
-                return super().__enter__()
-            finally:
-                del os.environ["LD_PRELOAD"]
-        return super().__enter__()
+            extra["LD_PRELOAD"] = OPENBLAS
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
+        try:
+            return super().__enter__()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
 
 
 def _rss(proc: subprocess.Popen | None) -> int | None:
