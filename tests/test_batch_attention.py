@@ -132,28 +132,33 @@ def test_copies_of_kept_caches_still_decode_in_one_call(method: str,
     assert max(mx.abs(g - w).max().item() for g, w in zip(got, want)) <= TOLERANCE
 
 
-@pytest.mark.parametrize("method", ["turboquant", "kivi"])
-def test_a_batch_turns_its_new_tokens_once_per_layer(method: str,
+@pytest.mark.parametrize("method, extra", [("turboquant", {}), ("kivi", {}),
+                                           ("kivi", {"rotate": True}),
+                                           ("affine", {"rotate": True})])
+def test_a_batch_turns_its_new_tokens_once_per_layer(method: str, extra: dict,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # What every row makes of its new tokens alike (rotation, cast) is computed once for
     # the batch and sliced per row; rows handed each other's slices would decode wrong.
     model = tiny_model("llama", seed=3)
-    probe = KVCacheBuilder.for_model(model, small_config(method))
+    probe = KVCacheBuilder.for_model(model, small_config(method, **extra))
     cls = type(next(c for c in probe if isinstance(c, CompressedCache)))
-    calls = {"n": 0}
+    calls = {"calls": 0, "rows": 0}
     original = cls.incoming
 
     def counted(self: Any, keys: mx.array, values: mx.array) -> Any:
-        calls["n"] += keys.shape[0]  # rows turned
+        calls["calls"] += 1
+        calls["rows"] += keys.shape[0]
         return original(self, keys, values)
 
     monkeypatch.setattr(cls, "incoming", counted)
-    layers = [BatchedCache.merge(list(col)) for col in zip(*_rows(model, method))]
-    calls["n"] = 0
+    layers = [BatchedCache.merge(list(col)) for col in zip(*_rows(model, method, **extra))]
+    calls.update(calls=0, rows=0)
     for step in STEPS:
         mx.eval(model(mx.array([[t] for t in step]), cache=layers))
-    assert calls["n"] == len(STEPS) * len(layers) * len(PROMPTS)  # one call of all rows
-    assert _max_error(model, method) <= TOLERANCE
+    # One call per layer and step, of all rows (row by row it would be one per row).
+    assert calls == {"calls": len(STEPS) * len(layers),
+                     "rows": len(STEPS) * len(layers) * len(PROMPTS)}, calls
+    assert _max_error(model, method, **extra) <= TOLERANCE
 
     shared = BatchedCache._incoming
 
@@ -162,4 +167,4 @@ def test_a_batch_turns_its_new_tokens_once_per_layer(method: str,
         return None if out is None else tuple(mx.roll(x, 1, axis=0) for x in out)
 
     monkeypatch.setattr(BatchedCache, "_incoming", shifted)
-    assert _max_error(model, method) > 100 * TOLERANCE
+    assert _max_error(model, method, **extra) > 100 * TOLERANCE

@@ -32,6 +32,14 @@ from veloxquant_mlx.cache import finite
 from veloxquant_mlx.ops.attention import sdpa
 
 
+def _alike(a: Any, b: Any) -> bool:
+    """Same class, config and shared constants (rotations): they turn new tokens alike."""
+    if type(a) is not type(b) or a.config != b.config:
+        return False
+    ka, kb = a.constants(), b.constants()
+    return len(ka) == len(kb) and all(x is y for x, y in zip(ka, kb))
+
+
 class BatchedCache(_BaseCache):
     """One layer's batch of independent per-sequence caches (an mlx_lm cache itself).
 
@@ -88,11 +96,10 @@ class BatchedCache(_BaseCache):
         with finite.checked():
             for i, (c, r) in enumerate(zip(self.caches, self._real)):
                 kv = None
-                if r and shared is None:
-                    kv = c.update_and_fetch(keys[i:i + 1, :, :r], values[i:i + 1, :, :r])
-                elif r:
-                    kv = c.update_and_fetch(keys[i:i + 1, :, :r], values[i:i + 1, :, :r],
-                                            incoming=tuple(x[i:i + 1, :, :r] for x in shared))
+                if r:
+                    row = (keys[i:i + 1, :, :r], values[i:i + 1, :, :r])
+                    kv = c.update_and_fetch(*row) if shared is None else c.update_and_fetch(
+                        *row, incoming=tuple(x[i:i + 1, :, :r] for x in shared))
                 self._dense.append(None if c.attends else kv)
         return keys, values
 
@@ -101,12 +108,7 @@ class BatchedCache(_BaseCache):
         for the batch, when the rows are of one class, config and constants."""
         first = self.caches[0]
         hook = getattr(first, "incoming", None)
-        if hook is None or any(type(c) is not type(first) or c.config != first.config
-                               for c in self.caches):
-            return None
-        mine = first.constants()
-        if any(len(c.constants()) != len(mine)
-               or any(a is not b for a, b in zip(c.constants(), mine)) for c in self.caches):
+        if hook is None or not all(_alike(first, c) for c in self.caches[1:]):
             return None
         return hook(keys, values)
 

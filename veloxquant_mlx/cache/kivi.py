@@ -118,8 +118,8 @@ class KIVICache(StoredFormCache):
     def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
         """Keys: whole blocks of ``window`` tokens coded per channel in groups of
         ``group_size`` tokens; values: per token once older than the last ``window``, in
-        blocks of ``block``; both coded at the next update (a step attends over its tokens as received);
-        trimming cuts key groups as ``trim`` says. Exact but for code flips (measured: at
+        blocks of ``block``; both coded at the next update (a step attends over its
+        tokens as received); trimming cuts key groups as ``trim`` says. Exact but for code flips (measured: at
         most 0.1 of a step at 4 bits)."""
         o = config.layer_options(layer.layer_idx)
         hold = cast(config.window_dtype)  # the residual's dtype

@@ -11,7 +11,8 @@ scale of a whole quantization group (QuaRot, TurboQuant arXiv 2504.19874).
 looks at the class (cross-layer roles and links, sliding-window rings, saved caches,
 batches) sees the method itself; the subclass only:
 
-- rotates keys and values before the method stores them (``update_and_fetch``);
+- rotates keys and values before the method stores them (``update_and_fetch``, and
+  ``incoming``, which a batch computes once for its rows);
 - rotates the queries the same way and the attention output back (``attend``);
 - rotates a dense reconstruction back (``dense_kv``), except while the method's own
   ``attend`` reads it (MiniCache attends over its reconstruction);
@@ -66,8 +67,23 @@ class RotatedMixin:
     def constants(self) -> list[mx.array]:
         return [self.rot_k, self.rot_v, *super().constants()]
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return super().update_and_fetch(_turn(keys, self.rot_k), _turn(values, self.rot_v))
+    def _method_turns(self) -> bool:
+        """Whether the method has an ``incoming`` hook of its own."""
+        return super().incoming.__func__ is not CompressedCache.incoming
+
+    def incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The chunk rotated, then what the method makes of it alike (a batch computes
+        this once for all its rows)."""
+        k, v = _turn(keys, self.rot_k), _turn(values, self.rot_v)
+        return super().incoming(k, v) if self._method_turns() else (k, v)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array,
+                         incoming: tuple[mx.array, mx.array] | None = None
+                         ) -> tuple[mx.array, mx.array]:
+        turned = incoming or self.incoming(keys, values)
+        if self._method_turns():  # it stores ``turned``; ``keys`` for shape and dtype
+            return super().update_and_fetch(keys, values, incoming=turned)
+        return super().update_and_fetch(*turned)
 
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         self._raw = True

@@ -239,8 +239,8 @@ class TurboQuantCache(StoredFormCache):
     def incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The chunk rotated and in the window dtype, as the sinks and window hold it."""
         wdt = self.window_dtype(mx.float32)
-        k, v = ((x.astype(mx.float32) if r is None else x.astype(mx.float32) @ r).astype(wdt)
-                for x, r in zip((keys, values), self.basis))
+        x32 = [x.astype(mx.float32) for x in (keys, values)]
+        k, v = ((x if r is None else x @ r).astype(wdt) for x, r in zip(x32, self.basis))
         return k, v
 
     def update_and_fetch(self, keys: mx.array, values: mx.array,

@@ -48,10 +48,11 @@ def _laid(arrays: Sequence[mx.array | None], like: mx.array, axis: int, have: li
     """Rows' arrays ``[1, H, ...]`` (``None``: empty) padded to ``want`` entries along
     ``axis`` and laid side by side as ``[H, B, ...]``."""
     B, H = len(arrays), like.shape[1]
-    if axis in (2, 2 - like.ndim) and _words(like) is not like:
+    after_head = axis in (2, 2 - like.ndim)  # the token axis is the one after the head
+    if after_head and _words(like) is not like:
         words = [None if a is None else _words(a) for a in arrays]
         return _laid(words, _words(like), axis, have, want).view(like.dtype)
-    if axis in (2, 2 - like.ndim):  # the token axis is the one after the head
+    if after_head:
         pieces = []
         for a, n in zip(arrays, have):
             if n:
