@@ -18,7 +18,7 @@ from veloxquant_mlx import KVCacheBuilder
 from veloxquant_mlx.cache import stored
 from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.cache.batch import BatchedCache
-from veloxquant_mlx.ops import batch_parts
+from veloxquant_mlx.ops import batch_parts, streams
 from veloxquant_mlx.testing.tiny import tiny_model
 
 # Different lengths, so every segment is padded differently per row.
@@ -59,15 +59,22 @@ def _max_error(model: Any, method: str, **extra: Any) -> float:
     return max(mx.abs(g - w).max().item() for g, w in zip(got, want))
 
 
-def test_a_batch_decodes_in_one_call_as_each_row_alone(method: str,
+def _groups() -> int:
+    """Groups of rows a decode step attends in (one per CPU stream)."""
+    return len(streams.groups(len(PROMPTS), streams.stream_count()))
+
+
+@pytest.mark.parametrize("cpu_streams", ["1", "2"])
+def test_a_batch_decodes_in_one_call_as_each_row_alone(method: str, cpu_streams: str,
                                                        monkeypatch: pytest.MonkeyPatch
                                                        ) -> None:
+    monkeypatch.setenv(streams.ENV, cpu_streams)
     model = tiny_model("llama", seed=3)
     calls = {"at_once": 0}
     at_once = BatchedCache._attend_at_once
 
-    def counted(self: BatchedCache, queries: mx.array, scale: float) -> Any:
-        out = at_once(self, queries, scale)
+    def counted(self: BatchedCache, queries: mx.array, scale: float, *rows: int) -> Any:
+        out = at_once(self, queries, scale, *rows)
         calls["at_once"] += out is not None
         return out
 
@@ -78,9 +85,10 @@ def test_a_batch_decodes_in_one_call_as_each_row_alone(method: str,
         pytest.skip(f"{method} refuses batches (tests/test_batch.py checks the refusal)")
     assert _max_error(model, method) <= TOLERANCE
     # The rows' class says whether it lays its segments side by side: then every layer of
-    # every decode step took the one-call path (rows returning dense K/V: row by row).
+    # every decode step took the one-call path, once per group of rows (rows returning
+    # dense K/V: row by row).
     batches = cls.attend_rows.__func__ is not CompressedCache.attend_rows.__func__
-    want = len(STEPS) * len(probe) if batches else 0
+    want = len(STEPS) * len(probe) * _groups() if batches else 0
     assert calls["at_once"] == want, (method, calls, want)
 
 
@@ -93,8 +101,8 @@ def test_the_value_layout_matters_when_keys_and_values_are_cut_apart(
     assert _max_error(model, "kivi") <= TOLERANCE
     stacked = batch_parts.batch_slots
 
-    def no_index(rows: Any) -> Any:
-        out = stacked(rows)
+    def no_index(rows: Any, after: Any = None) -> Any:
+        out = stacked(rows, after)
         if out is not None and out.value_index is not None:
             out.value_index = out.value_index * 0 + mx.arange(out.value_index.shape[-1])
         return out
@@ -119,8 +127,8 @@ def test_copies_of_kept_caches_still_decode_in_one_call(method: str,
     calls = {"at_once": 0, "per_row": 0}
     at_once = BatchedCache._attend_at_once
 
-    def counted(self: BatchedCache, queries: mx.array, scale: float) -> Any:
-        out = at_once(self, queries, scale)
+    def counted(self: BatchedCache, queries: mx.array, scale: float, *rows: int) -> Any:
+        out = at_once(self, queries, scale, *rows)
         calls["at_once" if out is not None else "per_row"] += 1
         return out
 
@@ -128,7 +136,8 @@ def test_copies_of_kept_caches_still_decode_in_one_call(method: str,
     want = _alone(model, _rows(model, method, **extra))
     got = _batched(model, rows)
     KVCacheBuilder.detach(model)
-    assert calls["per_row"] == 0 and calls["at_once"] == len(STEPS) * len(rows[0]), calls
+    want_calls = len(STEPS) * len(rows[0]) * _groups()
+    assert calls["per_row"] == 0 and calls["at_once"] == want_calls, calls
     assert max(mx.abs(g - w).max().item() for g, w in zip(got, want)) <= TOLERANCE
 
 

@@ -11,7 +11,9 @@ compressed cache:
 - a decode step (one token per row) attends every row in one call where the rows'
   class can lay its stored segments side by side (``attend_rows``: stored forms,
   ``cache.stored``; padded per segment, a mask per row); rows that return dense keys
-  and values attend one by one (padding them would copy each row's whole cache);
+  and values attend one by one (padding them would copy each row's whole cache). On a
+  CPU the rows go in groups, one call per group, each on a CPU stream of its own
+  (``ops.streams``), so the step's elementwise work uses more than one core;
 - otherwise ``attend`` runs each row's queries over that row's cache with a causal
   mask and zero-fills the padded query positions (their outputs are never used);
 - ``offset`` is a per-sequence array, so RoPE places every row at its own position.
@@ -29,6 +31,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from veloxquant_mlx.cache import finite
+from veloxquant_mlx.ops import streams
 from veloxquant_mlx.ops.attention import sdpa
 
 
@@ -93,15 +96,25 @@ class BatchedCache(_BaseCache):
         if keys.shape[2] > 1:
             finite.require(keys, values, f"a batch of {len(self.caches)} sequences")
         shared = self._incoming(keys, values)
+        rows = self._row_chunks([keys, values] + list(shared or ()))
         with finite.checked():
-            for i, (c, r) in enumerate(zip(self.caches, self._real)):
+            for c, r, row in zip(self.caches, self._real, rows):
                 kv = None
                 if r:
-                    row = (keys[i:i + 1, :, :r], values[i:i + 1, :, :r])
-                    kv = c.update_and_fetch(*row) if shared is None else c.update_and_fetch(
-                        *row, incoming=tuple(x[i:i + 1, :, :r] for x in shared))
+                    kv = c.update_and_fetch(*row[:2]) if shared is None else c.update_and_fetch(
+                        *row[:2], incoming=tuple(row[2:]))
                 self._dense.append(None if c.attends else kv)
         return keys, values
+
+    def _row_chunks(self, arrays: list[mx.array]) -> list[list[mx.array]]:
+        """Per row, its real tokens of each of ``arrays`` ``[B, H, L, D]``. Whole rows
+        come from one split per array (a decode step: one operation instead of one slice
+        per row, and each operation costs microseconds whatever its size)."""
+        L = arrays[0].shape[2]
+        if all(r == L for r in self._real) and len(self.caches) > 1:
+            per_array = [mx.split(a, len(self.caches), axis=0) for a in arrays]
+            return [list(row) for row in zip(*per_array)]
+        return [[a[i:i + 1, :, :r] for a in arrays] for i, r in enumerate(self._real)]
 
     def _incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, ...] | None:
         """What every row would make of its tokens alike (``incoming``), computed once
@@ -112,44 +125,58 @@ class BatchedCache(_BaseCache):
             return None
         return hook(keys, values)
 
-    def _attend_at_once(self, queries: mx.array, scale: float) -> mx.array | None:
-        """A decode step of every row in one call, where the rows' class lays their
-        stored forms side by side (``attend_rows``); None otherwise."""
-        first = self.caches[0]
-        if (queries.shape[2] != 1 or any(r != 1 for r in self._real)
-                or any(type(c) is not type(first) for c in self.caches)):
+    def _attend_at_once(self, queries: mx.array, scale: float, start: int = 0,
+                        stop: int | None = None) -> mx.array | None:
+        """A decode step of rows ``start:stop`` in one call, where their class lays
+        their stored forms side by side (``attend_rows``); None otherwise."""
+        rows = self.caches[start:stop]
+        first = rows[0]
+        if (queries.shape[2] != 1 or any(r != 1 for r in self._real[start:stop])
+                or any(type(c) is not type(first) for c in rows)):
             return None
         # Rows returning dense keys and values attend one by one: padding them side by
         # side copies every row's whole cache at every step (8 rows of 700 tokens: 236 ms
         # a step against 196 ms row by row, medians of 30 in alternating order).
-        if any(d is not None for d in self._dense):
+        if any(d is not None for d in self._dense[start:stop]):
             return None
-        return type(first).attend_rows(self.caches, queries, scale)
+        return type(first).attend_rows(rows, queries[start:stop], scale)
 
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
-        B, Hq, L, _ = queries.shape
-        out = self._attend_at_once(queries, scale)
-        if out is not None:
-            self._dense = []
-            return out
-        outs = []
-        for i, (c, r) in enumerate(zip(self.caches, self._real)):
-            q = queries[i:i + 1, :, :r]
-            row_mask = "causal" if r > 1 else None
-            if r == 0:
-                out = None
-            elif self._dense[i] is None:
-                out = c.attend(q, scale=scale, mask=row_mask)
-            else:
-                k, v = self._dense[i]
-                out = sdpa(q, k, v, scale, row_mask)
-            if out is None or r < L:
-                Dv = out.shape[3] if out is not None else queries.shape[3]
-                pad = mx.zeros((1, Hq, L - r, Dv), queries.dtype)
-                out = pad if out is None else mx.concatenate([out, pad], axis=2)
-            outs.append(out)
+        # A decode step's groups of rows run on CPU streams of their own (``ops.streams``:
+        # its elementwise work would use one core); a prompt chunk stays on one stream,
+        # so two rows' prefill transients never live at once.
+        ranges = (streams.spread(len(self.caches)) if queries.shape[2] == 1
+                  else [(0, len(self.caches))])
+        outs = [self._attend_group(queries, scale, a, b) for a, b in ranges]
         self._dense = []
-        return mx.concatenate(outs, axis=0)
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+    def _attend_group(self, queries: mx.array, scale: float, start: int, stop: int
+                      ) -> mx.array:
+        out = self._attend_at_once(queries, scale, start, stop)
+        if out is not None:
+            return out
+        return mx.concatenate([self._attend_row(i, queries, scale)
+                               for i in range(start, stop)], axis=0)
+
+    def _attend_row(self, i: int, queries: mx.array, scale: float) -> mx.array:
+        """Row ``i``'s queries over its own cache; padded query positions get zeros."""
+        _, Hq, L, _ = queries.shape
+        c, r = self.caches[i], self._real[i]
+        q = queries[i:i + 1, :, :r]
+        row_mask = "causal" if r > 1 else None
+        if r == 0:
+            out = None
+        elif self._dense[i] is None:
+            out = c.attend(q, scale=scale, mask=row_mask)
+        else:
+            k, v = self._dense[i]
+            out = sdpa(q, k, v, scale, row_mask)
+        if out is None or r < L:
+            Dv = out.shape[3] if out is not None else queries.shape[3]
+            pad = mx.zeros((1, Hq, L - r, Dv), queries.dtype)
+            out = pad if out is None else mx.concatenate([out, pad], axis=2)
+        return out
 
     # ---- BatchGenerator hooks ----
     def prepare(self, *, left_padding: list[int] | None = None,

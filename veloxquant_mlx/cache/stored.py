@@ -122,10 +122,10 @@ class StoredFormCache(CompressedCache):
             return None
         if not decodes_at_once(queries.shape[1], first.layer.n_kv_heads, queries.shape[2]):
             return None
-        batched = batch_slots([r.attention_slots() for r in rows])
+        qh = heads_major(first._turn_in(queries), first.layer.n_kv_heads)
+        batched = batch_slots([r.attention_slots() for r in rows], after=qh)
         if batched is None:
             return None
-        qh = heads_major(first._turn_in(queries), first.layer.n_kv_heads)
         out = attend_parts(qh, _parts(batched.keys, qh), _parts(batched.values, qh), scale,
                            batched.mask, batched.value_index)
         for r in rows:

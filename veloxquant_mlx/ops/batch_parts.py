@@ -108,10 +108,23 @@ def _one_sequence(rows: Sequence[tuple[list[Slot], list[Slot]]]) -> bool:
     return all(a.shape[0] == 1 for r in rows for side in r for s in side for a in s.arrays)
 
 
-def batch_slots(rows: Sequence[tuple[list[Slot], list[Slot]]]) -> BatchedSlots | None:
+def _tied(rows: Sequence[tuple[list[Slot], list[Slot]]], after: mx.array
+          ) -> list[tuple[list[Slot], list[Slot]]]:
+    """The rows' slots with every array made to wait for ``after`` (one operation)."""
+    flat = iter(mx.depends([a for r in rows for side in r for s in side for a in s.arrays],
+                           [after]))
+    return [tuple([Slot(s.kind, [next(flat) for _ in s.arrays], s.n, s.meta, s.packed)
+                   for s in side] for side in r) for r in rows]
+
+
+def batch_slots(rows: Sequence[tuple[list[Slot], list[Slot]]],
+                after: mx.array | None = None) -> BatchedSlots | None:
     """The rows' ``(key slots, value slots)`` side by side, or None when their segments
     differ in number, kind or metadata, or a row holds more than one sequence
-    (attention then runs per row)."""
+    (attention then runs per row). With ``after`` (the layer's queries), the layout
+    waits for it: nothing else ties a layer's layout to its place in the step, and MLX
+    laid out later layers' rows ahead (a TurboQuant step of 8 rows of 3000 tokens
+    allocated 80-88 MiB at its peak, 29 MiB tied, measured)."""
     first = rows[0]
     for side in (0, 1):
         sig = [(s.kind, s.meta, s.packed) for s in first[side]]
@@ -119,6 +132,8 @@ def batch_slots(rows: Sequence[tuple[list[Slot], list[Slot]]]) -> BatchedSlots |
             return None
     if not _one_sequence(rows):
         return None
+    if after is not None:
+        rows = _tied(rows, after)
     sides = []
     for side in (0, 1):
         columns = list(zip(*(r[side] for r in rows)))
