@@ -20,6 +20,7 @@ default is the number of cores, at most ``MAX_STREAMS``.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,7 +37,7 @@ _STREAMS: list[mx.Stream] = []  # created once: each new stream starts a thread
 def stream_count() -> int:
     """How many streams a batch's decode attention is spread over here."""
     raw = os.environ.get(ENV, "")
-    n = max(1, min(os.cpu_count() or 1, MAX_STREAMS))
+    n = max(1, min(_cores(), MAX_STREAMS))
     if raw:
         try:
             n = int(raw)
@@ -46,6 +47,11 @@ def stream_count() -> int:
             raise ValueError(f"{ENV}={raw!r}: a whole number of CPU streams >= 1 "
                              "(1 runs a batch's attention on one stream)")
     return 1 if on_gpu() else n
+
+
+@functools.cache
+def _cores() -> int:
+    return os.cpu_count() or 1  # a system call each time: about 30 us
 
 
 def _streams(n: int) -> list[mx.Stream]:
