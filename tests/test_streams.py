@@ -36,6 +36,17 @@ def test_the_stream_count_follows_the_cores_and_the_setting(
     assert streams.stream_count() == 3
 
 
+def test_a_gpu_keeps_one_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The device spreads each kernel itself; a bad setting is still refused there.
+    monkeypatch.setattr(streams, "on_gpu", lambda: True)
+    monkeypatch.setenv(streams.ENV, "2")
+    assert streams.stream_count() == 1
+    assert list(streams.spread(8)) == [(0, 8)]
+    monkeypatch.setenv(streams.ENV, "0")
+    with pytest.raises(ValueError, match=streams.ENV):
+        streams.stream_count()
+
+
 @pytest.mark.parametrize("rows, n, want", [(8, 2, [(0, 4), (4, 8)]), (3, 2, [(0, 2), (2, 3)]),
                                            (2, 4, [(0, 1), (1, 2)]), (5, 1, [(0, 5)])])
 def test_rows_are_cut_into_near_equal_consecutive_groups(rows: int, n: int,
