@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from test_batch_attention import PROMPTS, TOLERANCE, _max_error
+from test_batch_attention import PROMPTS, TOLERANCE, _max_error, _rows
 
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.adapter.mlx_lm import attention_routing
@@ -41,7 +41,7 @@ def test_a_gpu_keeps_one_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(streams, "on_gpu", lambda: True)
     monkeypatch.setenv(streams.ENV, "2")
     assert streams.stream_count() == 1
-    assert list(streams.spread(8)) == [(0, 8)]
+    assert [(a, b) for a, b, _ in streams.spread(8)] == [(0, 8)]
     monkeypatch.setenv(streams.ENV, "0")
     with pytest.raises(ValueError, match=streams.ENV):
         streams.stream_count()
@@ -113,3 +113,22 @@ def test_a_batch_step_lays_out_a_layers_rows_only_when_the_layer_attends(
     if cpu_streams == "1":
         monkeypatch.setattr(batch_parts, "_tied", lambda rows, after: rows)
         assert _step_peak(model, batch) > 10
+
+
+def test_a_failing_group_leaves_the_default_stream_as_it_was(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(streams.ENV, "2")
+    model = tiny_model("llama", seed=3)
+    layers = [BatchedCache.merge(list(col)) for col in zip(*_rows(model, "turboquant"))]
+    before = mx.default_stream(mx.cpu)
+
+    def fails(self: BatchedCache, queries: mx.array, scale: float, start: int,
+              stop: int) -> mx.array:
+        if start:
+            raise RuntimeError("second group")
+        return mx.zeros((stop - start, *queries.shape[1:]), queries.dtype)
+
+    monkeypatch.setattr(BatchedCache, "_attend_group", fails)
+    with pytest.raises(RuntimeError, match="second group"):
+        model(mx.array([[1]] * len(PROMPTS)), cache=layers)
+    assert mx.default_stream(mx.cpu) == before

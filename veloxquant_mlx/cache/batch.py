@@ -145,9 +145,13 @@ class BatchedCache(_BaseCache):
         # A decode step's groups of rows run on CPU streams of their own (``ops.streams``:
         # its elementwise work would use one core); a prompt chunk stays on one stream,
         # so two rows' prefill transients never live at once.
-        ranges = (streams.spread(len(self.caches)) if queries.shape[2] == 1
-                  else [(0, len(self.caches))])
-        outs = [self._attend_group(queries, scale, a, b) for a, b in ranges]
+        if queries.shape[2] == 1:
+            outs = []
+            for start, stop, stream in streams.spread(len(self.caches)):
+                with streams.on(stream):
+                    outs.append(self._attend_group(queries, scale, start, stop))
+        else:
+            outs = [self._attend_group(queries, scale, 0, len(self.caches))]
         self._dense = []
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 

@@ -4,13 +4,13 @@ MLX runs each operation of the CPU backend on one thread (the stream's); only it
 matmuls spread over cores, through BLAS. A batch's decode attention over compressed
 rows is mostly elementwise work (codes decoded to floats, softmax), so on a CPU it ran
 on one core while the others waited. MLX gives every stream its own thread and runs
-operations of different streams at the same time, so :func:`spread` hands each group of
-rows to its own CPU stream; MLX orders the streams where one reads what another wrote.
+operations of different streams at the same time, so :func:`spread` gives each group of
+rows its own CPU stream; MLX orders the streams where one reads what another wrote.
 
-Measured on 2 cores (8 rows of 3000 tokens, one decode step of SmolLM2-135M,
-``eval.batchstep``): TurboQuant 573 -> 411 ms, KIVI 4-bit 557 -> 375 ms; at 8 rows of
-700 tokens, where the fixed cost of each operation dominates, 250 -> 247 and 246 -> 223.
-Splitting a single sequence's tokens (or its keys and values) across streams gained
+Measured on 2 cores (a decode step of SmolLM2-135M over 8 rows of 3000 tokens,
+``eval.batchstep``, against mlx_lm's dense batch step): TurboQuant 0.70-0.77 -> 0.80-0.87,
+KIVI 4-bit 0.82-0.83 -> 0.88-0.96; at 8 rows of 700 tokens, where the fixed cost of each
+operation dominates, little (docs/cpu-performance.md). Splitting a single sequence's tokens (or its keys and values) across streams gained
 nothing measurable at 4096 tokens: the work per operation is too small there.
 
 On a GPU the device already runs every kernel across its cores: one stream.
@@ -68,19 +68,18 @@ def groups(rows: int, n: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+def spread(rows: int) -> list[tuple[int, int, mx.Stream]]:
+    """Row ranges ``(start, stop)`` covering ``rows``, each with the CPU stream to build
+    its work on (:func:`on`)."""
+    ranges = groups(rows, stream_count())
+    return [(a, b, s) for (a, b), s in zip(ranges, _streams(len(ranges)))]
+
+
 @contextmanager
-def _on(stream: mx.Stream) -> Iterator[None]:
+def on(stream: mx.Stream) -> Iterator[None]:
+    """Operations built inside run on ``stream`` (the default stream: as they are)."""
     if stream == mx.default_stream(mx.cpu):
         yield
     else:
         with mx.stream(stream):
             yield
-
-
-def spread(rows: int) -> Iterator[tuple[int, int]]:
-    """Row ranges ``(start, stop)`` covering ``rows``; the work built for each range
-    while the caller handles it runs on that range's own CPU stream."""
-    ranges = groups(rows, stream_count())
-    for (start, stop), stream in zip(ranges, _streams(len(ranges))):
-        with _on(stream):
-            yield start, stop
