@@ -119,8 +119,8 @@ class KIVICache(StoredFormCache):
         """Keys: whole blocks of ``window`` tokens coded per channel in groups of
         ``group_size`` tokens; values: per token once older than the last ``window``, in
         blocks of ``block``; both coded at the next update (a step attends over its
-        tokens as received); trimming cuts key groups as ``trim`` says. Exact but for code flips (measured: at
-        most 0.1 of a step at 4 bits)."""
+        tokens as received); trimming cuts key groups as ``trim`` says. Exact but for
+        code flips (measured: at most 0.1 of a step at 4 bits)."""
         o = config.layer_options(layer.layer_idx)
         hold = cast(config.window_dtype)  # the residual's dtype
         keys = Stream(channel_roundtrip(o.bits, o.group_size), block=o.window,

@@ -10,8 +10,9 @@ rows its own CPU stream; MLX orders the streams where one reads what another wro
 Measured on 2 cores (a decode step of SmolLM2-135M over 8 rows of 3000 tokens,
 ``eval.batchstep``, against mlx_lm's dense batch step): TurboQuant 0.70-0.77 -> 0.80-0.87,
 KIVI 4-bit 0.82-0.83 -> 0.88-0.96; at 8 rows of 700 tokens, where the fixed cost of each
-operation dominates, little (docs/cpu-performance.md). Splitting a single sequence's tokens (or its keys and values) across streams gained
-nothing measurable at 4096 tokens: the work per operation is too small there.
+operation dominates, little (docs/cpu-performance.md). Splitting a single sequence's
+tokens (or its keys and values) across streams gained nothing measurable at 4096
+tokens: the work per operation is too small there.
 
 On a GPU the device already runs every kernel across its cores: one stream.
 ``VELOXQUANT_CPU_STREAMS=<n>`` sets the number of CPU streams (``1``: no split); the
