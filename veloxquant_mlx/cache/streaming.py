@@ -40,7 +40,7 @@ from veloxquant_mlx.cache import kvstore as ks
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, NotTrimmableError
 from veloxquant_mlx.cache.numerics import StoredNumerics, Stream, cast
 from veloxquant_mlx.cache.sliding import sliding_window_of
-from veloxquant_mlx.ops.attention import split_attention
+from veloxquant_mlx.ops.attention import sdpa, split_attention
 from veloxquant_mlx.ops.buffers import owned
 from veloxquant_mlx.options import MethodOptions
 from veloxquant_mlx.register import register
@@ -236,9 +236,7 @@ class StreamingCache(ks.StoreCapabilities, CompressedCache):
         if self._pending == "ring":
             # Ring decode step: every held token is visible; their order does not matter.
             self._pending = None
-            return mx.fast.scaled_dot_product_attention(
-                queries, self.keys.astype(queries.dtype), self.values.astype(queries.dtype),
-                scale=scale)
+            return sdpa(queries, self.keys, self.values, scale)
         keys, values, positions, start = self._pending
         self._pending = None
         if L == 1 and not self.store.quantized:
@@ -247,9 +245,7 @@ class StreamingCache(ks.StoreCapabilities, CompressedCache):
             band = None
         else:
             band = self.band_mask(positions, start, L)
-        keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
-                                                    mask=band)
+        return sdpa(queries, keys, values, scale, band)
 
     # ---- layers that attend by themselves (see adapter.mlx_lm) ----
     def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:

@@ -19,7 +19,10 @@ Two paths, neither builds a dequantized copy of the cache or a full score matrix
 
 The softmax exponent is a compiled polynomial (:func:`exp_nonpositive`, 1.9e-7 relative
 error): ``mx.exp`` is scalar on this CPU build and was the largest single cost of decode
-attention (docs/cpu-performance.md).
+attention (docs/cpu-performance.md). For the same reason, attention over dense arrays
+(:func:`sdpa`, :func:`masked_softmax`) runs on these kernels on a CPU in float32 where
+they are faster than ``mx.fast.scaled_dot_product_attention``; other backends and dtypes
+keep MLX's.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from veloxquant_mlx.ops.parts import Part, as_part
+from veloxquant_mlx.ops.kernels import on_gpu
+from veloxquant_mlx.ops.parts import DensePart, Part, as_part
 
 DECODE_ROWS = 16  # query rows per KV head (heads per group x tokens) of the decode path
 KEY_BLOCK = 4096  # most keys per block of the prefill path
@@ -38,6 +42,10 @@ BLOCK_FLOATS = 1 << 19  # score floats per block of the prefill path (2 MB)
 _LOG2E = 1.4426950408889634
 # 2^f on [0, 1): minimax polynomial, highest degree first.
 _EXP2 = (1.8775767e-3, 8.9893397e-3, 5.5826318e-2, 2.4015361e-1, 6.9315308e-1, 9.9999994e-1)
+# A decode over at most this many dense keys stays on mx.fast's kernel on the CPU, faster
+# there (this module's ran at 0.74-0.94 of its speed at 700-1024 keys); mx.fast is 1.2-2x
+# slower from 1.5k keys and 1.5-1.9x for prompt chunks (``eval.dense_attention``).
+FAST_DECODE_KEYS = 1024
 _FLOOR = -1e30  # a row max below this is a fully masked row: its output is 0, not NaN
 _TINY = 1e-30
 
@@ -132,12 +140,20 @@ def _apply_mask(scores: mx.array, mask: mx.array | None) -> mx.array:
     return scores + mask.astype(scores.dtype)
 
 
+def own_kernels(dtype: mx.Dtype) -> bool:
+    """Whether attention over dense arrays of ``dtype`` runs on this module's kernels:
+    float32 on a CPU, where MLX's softmax exponent is a scalar loop."""
+    return dtype == mx.float32 and not on_gpu()
+
+
 def masked_softmax(scores: mx.array, mask: Any = None) -> mx.array:
     """Softmax over the last axis of ``scores`` [..., L, S] after mlx_lm's ``mask``.
 
     Scores grouped by KV head ([B, H, rep, L, S]) take a 4-D mask [B, Hq or 1, L, S]
     regrouped to match. A boolean mask drops positions; an additive one is added in
-    the scores' dtype.
+    the scores' dtype. On a CPU in float32, score arrays of at most ``BLOCK_FLOATS``
+    (decode steps) take :func:`exp_nonpositive`, and there a row with every position
+    masked gets zeros (``mx.softmax``: NaN).
     """
     L, S = scores.shape[-2:]
     mask = fit_mask(mask, L, S)
@@ -150,17 +166,28 @@ def masked_softmax(scores: mx.array, mask: Any = None) -> mx.array:
                     else mask.reshape(mask.shape[0], H, rep, *mask.shape[2:]))
         scores = (mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_
                   else scores + mask.astype(scores.dtype))
-    return mx.softmax(scores, axis=-1, precise=True)
+    # Large score arrays (prompt chunks) keep mx.softmax: one op, where the compiled
+    # exponent's intermediates raised xKV's prefill peak from 312 to 727 MiB (measured).
+    if not own_kernels(scores.dtype) or scores.size > BLOCK_FLOATS:
+        return mx.softmax(scores, axis=-1, precise=True)
+    m = mx.maximum(scores.max(axis=-1, keepdims=True), _FLOOR)
+    e = exp_nonpositive(scores - m)
+    return e / mx.maximum(e.sum(axis=-1, keepdims=True), _TINY)
 
 
 def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
          mask: Any = None) -> mx.array:
-    """Grouped-query attention over dense keys/values (cast to the query dtype)."""
+    """Grouped-query attention over dense keys/values (cast to the query dtype):
+    :func:`attend_parts` on a CPU in float32 for prompt chunks and decodes over more than
+    ``FAST_DECODE_KEYS`` keys, ``mx.fast.scaled_dot_product_attention`` otherwise."""
     if keys.dtype != queries.dtype:
         keys = keys.astype(queries.dtype)
     if values.dtype != queries.dtype:
         values = values.astype(queries.dtype)
-    mask = fit_mask(mask, queries.shape[2], keys.shape[2])
+    L, S = queries.shape[2], keys.shape[2]
+    mask = fit_mask(mask, L, S)
+    if own_kernels(queries.dtype) and (L > 1 or S > FAST_DECODE_KEYS):
+        return attend_parts(queries, [DensePart(keys)], [DensePart(values)], scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
@@ -267,8 +294,11 @@ def _key_block(rows: int) -> int:
 def _blocked(qr: mx.array, keys: Sequence[Part], values: Sequence[Part],
              mask: Any) -> mx.array:
     """Online softmax over key blocks: no full score matrix and no decoded copy of the
-    cache, only block-sized transients. (Chaining the blocks with ``mx.depends`` to force
-    one block at a time raised the measured peak: MLX then kept more alive.)"""
+    cache, only block-sized transients. Each block's scores wait for the previous
+    block's running sums: untied, MLX computed the blocks' scores ahead of the sums and
+    held several at once (a prompt chunk of 512 queries over 4096 keys peaked at 95 MiB,
+    42 MiB tied; a 4096-token prefill of the embedded model with ``kivi:bits=4`` at 249
+    MiB over the weights, 166 tied, and no slower; measured)."""
     B, H, rep, L, D = qr.shape
     S = sum(k.n for k in keys)
     step = _key_block(B * H * rep * L)
@@ -277,8 +307,9 @@ def _blocked(qr: mx.array, keys: Sequence[Part], values: Sequence[Part],
     m = den = acc = None
     for t0 in range(0, S, step):
         t1 = min(S, t0 + step)
+        q = qr if acc is None else mx.depends([qr], [acc, den])[0]
         kb = _gather(keys, t0, t1, qr.dtype)
-        s = qr @ kb[:, :, None].swapaxes(-1, -2)  # [B, H, rep, L, block]
+        s = q @ kb[:, :, None].swapaxes(-1, -2)  # [B, H, rep, L, block]
         # A causal block that every query sees whole needs no mask.
         if not (mask == "causal" and t1 <= S - L + 1):
             s = _apply_mask(s, grouped_mask(mask, H, rep, L, S, t0, t1))
