@@ -4,7 +4,7 @@ library's kernels (``ops.attention.attend_parts``), side by side in one run.
 ``python -m veloxquant_mlx.eval.dense_attention`` times both on the embedded model's
 head shapes (9 query heads, 3 KV heads, head dim 64, float32) for decode steps and
 prompt chunks, and says which one ``ops.attention.sdpa`` takes for each shape. This is
-the measurement behind ``FAST_DECODE_KEYS``: on a CPU, MLX's softmax exponent is a
+the measurement behind ``ops.attention.FAST_DECODE_KEYS``: on a CPU, MLX's softmax exponent is a
 scalar loop, so its kernel loses wherever there are many scores.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.ops.attention import FAST_DECODE_KEYS, attend_parts, own_kernels
+from veloxquant_mlx.ops.attention import attend_parts, sdpa_on_own_kernels
 from veloxquant_mlx.ops.parts import DensePart
 
 # (queries, keys): decode steps around the threshold, a chat turn's prompt chunk over
@@ -60,7 +60,7 @@ def compare(shapes: Sequence[tuple[int, int]] = SHAPES, heads: tuple[int, int] =
 
         a, b = _median_ms(fast, repeats) / layers, _median_ms(own, repeats) / layers
         err = mx.abs(fast()[0] - own()[0]).max().item()
-        picks = own_kernels(mx.float32) and (L > 1 or S > FAST_DECODE_KEYS)
+        picks = sdpa_on_own_kernels(mx.float32, L, S)
         rows.append({"queries": L, "keys": S, "mx_fast_ms": a, "library_ms": b,
                      "speedup": a / b, "max_abs_err": err,
                      "sdpa_takes": "library" if picks else "mx.fast"})

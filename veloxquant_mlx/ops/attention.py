@@ -146,6 +146,11 @@ def own_kernels(dtype: mx.Dtype) -> bool:
     return dtype == mx.float32 and not on_gpu()
 
 
+def sdpa_on_own_kernels(dtype: mx.Dtype, n_queries: int, n_keys: int) -> bool:
+    """Whether :func:`sdpa` runs this module's kernels for these shapes (else mx.fast)."""
+    return own_kernels(dtype) and (n_queries > 1 or n_keys > FAST_DECODE_KEYS)
+
+
 def masked_softmax(scores: mx.array, mask: Any = None) -> mx.array:
     """Softmax over the last axis of ``scores`` [..., L, S] after mlx_lm's ``mask``.
 
@@ -186,7 +191,7 @@ def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         values = values.astype(queries.dtype)
     L, S = queries.shape[2], keys.shape[2]
     mask = fit_mask(mask, L, S)
-    if own_kernels(queries.dtype) and (L > 1 or S > FAST_DECODE_KEYS):
+    if sdpa_on_own_kernels(queries.dtype, L, S):
         return attend_parts(queries, [DensePart(keys)], [DensePart(values)], scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
