@@ -127,9 +127,14 @@ def grouped_mask(mask: Any, H: int, rep: int, L: int, S: int, start: int = 0,
         # prefill path at once (peak 3x higher, measured).
         return mx.array(np.arange(S - L, S)[:, None] >= np.arange(start, stop)[None])
     if mask.ndim == 4:
-        mask = (mask[:, :, None] if mask.shape[1] == 1
-                else mask.reshape(mask.shape[0], H, rep, *mask.shape[2:]))
+        mask = _by_kv_head(mask, H, rep)
     return mask if (start, stop) == (0, S) else mask[..., start:stop]
+
+
+def _by_kv_head(mask: mx.array, H: int, rep: int) -> mx.array:
+    """A 4-D mask ``[B, Hq or 1, L, S]`` as ``[B, H or 1, rep or 1, L, S]``."""
+    return (mask[:, :, None] if mask.shape[1] == 1
+            else mask.reshape(mask.shape[0], H, rep, *mask.shape[2:]))
 
 
 def _apply_mask(scores: mx.array, mask: mx.array | None) -> mx.array:
@@ -164,20 +169,22 @@ def masked_softmax(scores: mx.array, mask: Any = None) -> mx.array:
     mask = fit_mask(mask, L, S)
     if isinstance(mask, str):
         mask = causal_mask(L, S)
-    if mask is not None:
-        if mask.ndim == 4 and scores.ndim == 5:
-            H, rep = scores.shape[1], scores.shape[2]
-            mask = (mask[:, :, None] if mask.shape[1] == 1
-                    else mask.reshape(mask.shape[0], H, rep, *mask.shape[2:]))
-        scores = (mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_
-                  else scores + mask.astype(scores.dtype))
+    if mask is not None and mask.ndim == 4 and scores.ndim == 5:
+        mask = _by_kv_head(mask, scores.shape[1], scores.shape[2])
+    scores = _apply_mask(scores, mask)
     # Large score arrays (prompt chunks) keep mx.softmax: one op, where the compiled
     # exponent's intermediates raised xKV's prefill peak from 312 to 727 MiB (measured).
     if not own_kernels(scores.dtype) or scores.size > BLOCK_FLOATS:
         return mx.softmax(scores, axis=-1, precise=True)
+    e, den = _row_exp(scores)
+    return e / mx.maximum(den, _TINY)
+
+
+def _row_exp(scores: mx.array) -> tuple[mx.array, mx.array]:
+    """``exp(scores - row max)`` and its row sums; a fully masked row gives zeros."""
     m = mx.maximum(scores.max(axis=-1, keepdims=True), _FLOOR)
     e = exp_nonpositive(scores - m)
-    return e / mx.maximum(e.sum(axis=-1, keepdims=True), _TINY)
+    return e, e.sum(axis=-1, keepdims=True)
 
 
 def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
@@ -253,9 +260,7 @@ def _decode(qr: mx.array, keys: Sequence[Part], values: Sequence[Part],
     s = s[0] if len(s) == 1 else mx.concatenate(s, axis=-1)  # [B, H, rows, S]
     S = s.shape[-1]
     s = _apply_mask(s.reshape(B, H, rep, L, S), grouped_mask(mask, H, rep, L, S))
-    m = mx.maximum(s.max(axis=-1, keepdims=True), _FLOOR)
-    e = exp_nonpositive(s - m)
-    den = e.sum(axis=-1, keepdims=True)
+    e, den = _row_exp(s)
     e = e.reshape(B, H, rows, S)
     if value_index is not None:
         e = _through(e, value_index)
