@@ -126,3 +126,11 @@ def test_a_prompt_chunks_peak_stays_a_few_key_blocks_whatever_the_context() -> N
     long = peak(4096)
     assert long <= 1.25 * peak(1024)
     assert long < 0.7 * peak(4096, fast=True)
+
+
+def test_the_benchmark_refuses_a_bad_repeat_count(capsys: pytest.CaptureFixture[str]) -> None:
+    from veloxquant_mlx.eval import dense_attention
+
+    with pytest.raises(SystemExit):
+        dense_attention.main(["--repeats", "0"])
+    assert "--repeats=0: a whole number of timed calls >= 1" in capsys.readouterr().err

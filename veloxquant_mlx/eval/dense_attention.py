@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats}: a whole number of timed calls >= 1")
     print(markdown(compare(repeats=args.repeats)))
 
 
