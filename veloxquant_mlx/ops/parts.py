@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -44,6 +45,16 @@ class Part(Protocol):
     def floats(self) -> list[mx.array]:
         """The codes as the float arrays decode multiplies (profiling; dense: none)."""
 
+    def stored(self) -> Stored | None:
+        """The stored form as the fused CPU kernel reads it (``ops.native``), or
+        ``None`` where it reads no such form."""
+
+
+# (kind, bits, group size, arrays, biases or None, levels table or None): "dense" holds
+# one array; "token" codes and scales, the group along the head dim; "channel" codes and
+# scales, the group along the tokens.
+Stored = tuple[str, int, int, list[mx.array], mx.array | None, mx.array | None]
+
 
 class DensePart:
     """Keys or values held as an array ``[B, H, n, D]`` (cast to the compute dtype)."""
@@ -67,6 +78,9 @@ class DensePart:
     def floats(self) -> list[mx.array]:
         return []
 
+    def stored(self) -> Stored:
+        return ("dense", 0, 0, [self.x], None, None)
+
 
 Phases = list[tuple[mx.array, int, int]]  # (codes as floats [B, H, n, w], first dim, stride)
 
@@ -79,13 +93,19 @@ class TokenCodes:
     of consecutive dims (``None``: nothing to apply); ``decode(start, stop, dtype)``
     rebuilds a token range in dim order (prefill blocks). With ``G > 1`` every phase's
     columns must fall in groups of consecutive columns (true of byte phases).
+    ``form``: the stored form for the fused kernel (:meth:`stored`), if it reads it.
     """
 
     def __init__(self, n: int, dim: int, heads: int, phases: Callable[[], Phases],
                  scales: mx.array | None, biases: mx.array | None,
-                 decode: Callable[[int, int, mx.Dtype], mx.array]) -> None:
+                 decode: Callable[[int, int, mx.Dtype], mx.array],
+                 form: Stored | None = None) -> None:
         self.n, self.dim, self.heads = n, dim, heads
         self.phases, self.scales, self.biases, self.decode = phases, scales, biases, decode
+        self.form = form
+
+    def stored(self) -> Stored | None:
+        return self.form
 
     @property
     def groups(self) -> int:
@@ -190,7 +210,11 @@ def token_codes(qt: q.Quantized) -> TokenCodes:
     per = 8 // qt.bits
     return TokenCodes(n, dim, heads, lambda: [
         (a, k, per) for k, a in enumerate(q.byte_phases(qt.codes, qt.bits))],
-        qt.scales, qt.biases, decode)
+        qt.scales, qt.biases, decode, _token_form(qt))
+
+
+def _token_form(qt: q.Quantized) -> Stored:
+    return ("token", qt.bits, qt.group_size, [qt.codes, qt.scales], qt.biases, None)
 
 
 def coded_part(c: cb.Coded) -> TokenCodes:
@@ -206,7 +230,18 @@ def coded_part(c: cb.Coded) -> TokenCodes:
             c.packing)
         return cb.decode(part, dtype)
 
-    return TokenCodes(n, dim, heads, lambda: cb.centroid_phases(c), c.scales, None, decode)
+    form = None
+    if len(c.widths) == 1 and cb.packed_in_bytes(c.packing, c.widths[0][1]):
+        bits = c.widths[0][1]
+        form = ("token", bits, dim, [c.parts[0], c.scales], None, _levels(bits))
+    return TokenCodes(n, dim, heads, lambda: cb.centroid_phases(c), c.scales, None, decode,
+                      form)
+
+
+@cache
+def _levels(bits: int) -> mx.array:
+    """The levels codes of ``bits`` decode to, as the fused kernel's table."""
+    return mx.array(cb.centroids(bits)[0], dtype=mx.float32)
 
 
 class ChannelCodes:
@@ -251,6 +286,11 @@ class ChannelCodes:
     def dense(self, start: int, stop: int, dtype: mx.Dtype) -> mx.array:
         return self._kt(start, stop, dtype).swapaxes(-1, -2)
 
+    def stored(self) -> Stored | None:
+        k = self.qt
+        return (("channel", k.bits, k.group_size, [k.codes, k.scales], k.biases, None)
+                if k.bits in q.BYTE_BITS else None)
+
     def floats(self) -> list[mx.array]:
         if self.packed:
             return []
@@ -283,6 +323,9 @@ class PackedCodes:
     def floats(self) -> list[mx.array]:
         return []
 
+    def stored(self) -> Stored | None:
+        return _token_form(self.qt) if self.qt.bits in q.BYTE_BITS else None
+
 
 class FloatCodes:
     """Per-token microscaled float codes (``ops.fpcodes``): multiplied fused on the codes
@@ -309,6 +352,9 @@ class FloatCodes:
 
     def floats(self) -> list[mx.array]:
         return [] if self.packed else [fp.decode(self.c)]
+
+    def stored(self) -> None:
+        return None
 
 
 def as_part(x: Any, quantized_matmul: bool = False) -> Any:

@@ -1,0 +1,673 @@
+// Decode attention over a cache's stored parts, fused into one op for MLX's CPU backend.
+//
+// ops/attention.py's decode path runs about a hundred MLX ops per layer over a compressed
+// cache (unpack, multiply, scale, concatenate, softmax, ...): on a CPU each costs a few
+// microseconds and a pass over memory, which made a compressed decode slower than a dense
+// one. This op does the whole of it per KV head in one pass: scores of every key part,
+// softmax, and the product with every value part, with the codes unpacked a few words at
+// a time into registers (no float copy of a store, not even a transient one).
+//
+// Parts, laid one after the other along the tokens (keys and values may be cut at
+// different places), as ops/parts.py describes them:
+//   dense    [B, H, n, D] floats (float32, float16 or bfloat16)
+//   token    codes [B, H, n, D * bits / 8 bytes] (any unsigned words), scales [B, H, n, G]
+//            and optional biases: x = scale * level + bias per group of D / G dims
+//   channel  codes [B, H, D, n * bits / 8 bytes], scales and biases [B, H, D, n / group]
+//            (KIVI's keys: one scale per channel per group of tokens)
+// Codes of 1, 2, 4 and 8 bits are packed from the low bits up (MLX's layout, read on a
+// little-endian CPU). A level is the code itself, or table[code] for codebook parts.
+// Vector lanes run over tokens, so no kernel reduces across a vector per token.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+constexpr int L = 16;
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef uint32_t vu __attribute__((vector_size(4 * L)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
+
+enum Kind : int { kDense = 0, kToken = 1, kChannel = 2 };
+constexpr int kSpecInts = 5;  // kind, bits, group, has biases, has a table
+
+// An input's base pointer with byte strides over its four axes.
+struct View {
+  const uint8_t* data = nullptr;
+  int64_t stride[4] = {0, 0, 0, 0};
+  mx::Dtype dtype = mx::float32;
+  const uint8_t* at(int64_t b, int64_t h) const { return data + b * stride[0] + h * stride[1]; }
+};
+
+View view_of(const mx::array& a) {
+  View v;
+  v.data = a.data<uint8_t>();
+  v.dtype = a.dtype();
+  const auto size = static_cast<int64_t>(mx::size_of(a.dtype()));
+  for (int i = 0; i < 4; ++i) v.stride[i] = a.shape(i) == 1 ? 0 : a.strides()[i] * size;
+  return v;
+}
+
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// IEEE half to float with integer ops.
+inline float half_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ffu;
+  if (e == 0) return (sign ? -1.f : 1.f) * static_cast<float>(m) * 5.9604645e-8f;
+  return bits_float(sign | ((e == 31 ? 255u : e + 112u) << 23) | (m << 13));
+}
+
+// count values from p, step bytes apart, as floats.
+void load(const View& v, const uint8_t* p, int64_t step, int64_t count, float* out) {
+  uint16_t h;
+  int64_t i0 = 0;
+#if defined(__F16C__)
+  if (v.dtype == mx::float16 && step == 2) {  // the common case: a run of float16 scales
+    for (; i0 + 8 <= count; i0 += 8)
+      _mm256_storeu_ps(out + i0, _mm256_cvtph_ps(_mm_loadu_si128(
+                                     reinterpret_cast<const __m128i*>(p + 2 * i0))));
+  }
+#endif
+  p += i0 * step, out += i0, count -= i0;
+  if (v.dtype == mx::float32) {
+    for (int64_t i = 0; i < count; ++i) std::memcpy(&out[i], p + i * step, 4);
+  } else if (v.dtype == mx::float16) {
+    for (int64_t i = 0; i < count; ++i) std::memcpy(&h, p + i * step, 2), out[i] = half_float(h);
+  } else {  // bfloat16 (checked when the op is built)
+    for (int64_t i = 0; i < count; ++i)
+      std::memcpy(&h, p + i * step, 2), out[i] = bits_float(uint32_t{h} << 16);
+  }
+}
+
+// The [rows, cols] matrix of v at (b, h) as contiguous floats.
+std::vector<float> load_matrix(const View& v, int64_t b, int64_t h, int64_t rows, int64_t cols) {
+  std::vector<float> out(rows * cols);
+  if (v.stride[2] == cols * v.stride[3] || rows == 1) {  // one run (small rows are common)
+    load(v, v.at(b, h), v.stride[3], rows * cols, out.data());
+    return out;
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    load(v, v.at(b, h) + r * v.stride[2], v.stride[3], cols, out.data() + r * cols);
+  return out;
+}
+
+struct Part {
+  int kind, bits, group;
+  bool has_bias, has_table;
+  int64_t n = 0, D = 0;
+  View a, s, z;  // dense values or codes; scales; biases
+  vf table = {};
+};
+
+// Scales and biases (zeros without) of head (b, h) as contiguous floats [rows, cols].
+std::pair<std::vector<float>, std::vector<float>> scales_of(const Part& pt, int64_t b, int64_t h,
+                                                            int64_t rows, int64_t cols) {
+  auto s = load_matrix(pt.s, b, h, rows, cols);
+  auto z = pt.has_bias ? load_matrix(pt.z, b, h, rows, cols) : std::vector<float>(rows * cols, 0.f);
+  s.resize(rows * cols + L, 0.f), z.resize(rows * cols + L, 0.f);  // whole-vector reads at the end
+  return {std::move(s), std::move(z)};
+}
+
+// Code k of each lane's word as a level: the code, or its table entry.
+template <int BITS, bool TABLE>
+inline vf levels(vu word, int k, const vf& table) {
+  const vu code = (word >> (k * BITS)) & ((1u << BITS) - 1);
+  if constexpr (!TABLE) {
+    return __builtin_convertvector(code, vf);
+  } else {
+#if defined(__GNUC__) && !defined(__clang__)
+    if constexpr (BITS <= 4) return __builtin_shuffle(table, vi(code));
+#endif
+    vf out;
+    for (int j = 0; j < L; ++j) out[j] = table[code[j]];
+    return out;
+  }
+}
+
+// Word w of the code rows of tokens t..t+L (rows past the last token repeat it).
+inline vu gather_words(const uint8_t* base, int64_t row, int64_t t, int64_t count, int64_t w) {
+#if defined(__AVX512F__)
+  if (count == L && row * (t + L) < (int64_t{1} << 31)) {  // one gather instruction
+    const __m512i lane = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(static_cast<int>(row)));
+    const __m512i words = _mm512_i32gather_epi32(lane, base + t * row + 4 * w, 1);
+    return reinterpret_cast<const vu&>(words);
+  }
+#endif
+  vu out;
+  for (int j = 0; j < L; ++j) {
+    uint32_t u;
+    std::memcpy(&u, base + (t + std::min<int64_t>(j, count - 1)) * row + 4 * w, 4);
+    out[j] = u;
+  }
+  return out;
+}
+
+// m[(t + j) * step] for the lanes j < count, zeros past it.
+inline vf lanes(const float* m, int64_t step, int64_t t, int64_t count) {
+  vf out = {};
+  for (int j = 0; j < count; ++j) out[j] = m[(t + j) * step];
+  return out;
+}
+
+inline float lane_sum(const vf& v) {
+  float total = 0.f;
+  for (int j = 0; j < L; ++j) total += v[j];
+  return total;
+}
+
+// Scores q @ K^T of a token part into out[r * ld + t].
+template <int BITS, bool TABLE>
+void token_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R, float* out,
+                int64_t ld) {
+  constexpr int per = 32 / BITS;
+  const int64_t D = pt.D, gs = pt.group, G = D / gs, n = pt.n;
+  auto [s, z] = scales_of(pt, b, h, n, G);
+  std::vector<float> qsum(R * G, 0.f);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < D; ++i) qsum[r * G + i / gs] += q[r * D + i];
+  const uint8_t* base = pt.a.at(b, h);
+  std::vector<vf> acc(R * G);
+  for (int64_t t = 0; t < n; t += L) {
+    const int64_t count = std::min<int64_t>(L, n - t);
+    std::fill(acc.begin(), acc.end(), vf{});
+    for (int64_t w = 0; w < D / per; ++w) {
+      const vu word = gather_words(base, pt.a.stride[2], t, count, w);
+      for (int k = 0; k < per; ++k) {
+        const int64_t d = w * per + k, g = d / gs;
+        const vf lv = levels<BITS, TABLE>(word, k, pt.table);
+        for (int64_t r = 0; r < R; ++r) acc[r * G + g] += q[r * D + d] * lv;
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      vf score = {};
+      for (int64_t g = 0; g < G; ++g)
+        score += lanes(s.data() + g, G, t, count) * acc[r * G + g] +
+                 lanes(z.data() + g, G, t, count) * qsum[r * G + g];
+      for (int j = 0; j < count; ++j) out[r * ld + t + j] = score[j];
+    }
+  }
+}
+
+// p @ V of a token part (p[r * ld + t]) added into acc [R, D].
+template <int BITS, bool TABLE>
+void token_values(const Part& pt, int64_t b, int64_t h, const float* p, int64_t ld, int64_t R,
+                  float* out) {
+  constexpr int per = 32 / BITS;
+  const int64_t D = pt.D, gs = pt.group, G = D / gs, n = pt.n;
+  auto [s, z] = scales_of(pt, b, h, n, G);
+  const uint8_t* base = pt.a.at(b, h);
+  std::vector<vf> acc(R * D), pz(R * G), ps(R * G);
+  for (int64_t t = 0; t < n; t += L) {
+    const int64_t count = std::min<int64_t>(L, n - t);
+    for (int64_t r = 0; r < R; ++r) {
+      const vf pr = lanes(p + r * ld, 1, t, count);
+      for (int64_t g = 0; g < G; ++g) {
+        ps[r * G + g] = pr * lanes(s.data() + g, G, t, count);
+        pz[r * G + g] += pr * lanes(z.data() + g, G, t, count);
+      }
+    }
+    for (int64_t w = 0; w < D / per; ++w) {
+      const vu word = gather_words(base, pt.a.stride[2], t, count, w);
+      for (int k = 0; k < per; ++k) {
+        const int64_t d = w * per + k, g = d / gs;
+        const vf lv = levels<BITS, TABLE>(word, k, pt.table);
+        for (int64_t r = 0; r < R; ++r) acc[r * D + d] += ps[r * G + g] * lv;
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; ++d)
+      out[r * D + d] += lane_sum(acc[r * D + d]) + lane_sum(pz[r * G + d / gs]);
+}
+
+// p @ V of a token part, lanes over the dims of one token's code row (no gathers):
+// lane i of byte block j, phase k holds dim (L * j + i) * (8 / BITS) + k. Rows of whole
+// blocks of L bytes and at most L groups; other token parts take token_values.
+typedef uint8_t vb __attribute__((vector_size(L)));
+
+// L bytes as L words (GCC's generic conversion extracted them one by one).
+inline vu widen(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<const vu&>(w);
+#else
+  vb bytes;
+  std::memcpy(&bytes, p, L);
+  return __builtin_convertvector(bytes, vu);
+#endif
+}
+
+template <int BITS, bool TABLE>
+void token_values_rows(const Part& pt, int64_t b, int64_t h, const float* p, int64_t ld,
+                       int64_t R, float* out) {
+  constexpr int per = 8 / BITS;
+  const int64_t D = pt.D, gs = pt.group, G = D / gs, n = pt.n, blocks = D / per / L;
+  auto [s, z] = scales_of(pt, b, h, n, G);
+  std::vector<vi> group_of(blocks * per);
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int k = 0; k < per; ++k)
+      for (int i = 0; i < L; ++i) group_of[j * per + k][i] = ((L * j + i) * per + k) / gs;
+  const uint8_t* base = pt.a.at(b, h);
+  std::vector<vf> acc(R * blocks * per);
+  std::vector<float> shift(R * G, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const uint8_t* row = base + t * pt.a.stride[2];
+    vf srow;  // lanes past G hold the next tokens' scales, never selected
+    std::memcpy(&srow, s.data() + t * G, sizeof(vf));
+    for (int64_t j = 0; j < blocks; ++j) {
+      const vu wide = widen(row + L * j);
+      if (gs % (L * per) == 0) {  // the block is inside one group: scale the weights
+        const int64_t g = L * per * j / gs;
+        for (int k = 0; k < per; ++k) {
+          const vf lv = levels<BITS, TABLE>(wide, k, pt.table);
+          for (int64_t r = 0; r < R; ++r)
+            acc[(r * blocks + j) * per + k] += (p[r * ld + t] * s[t * G + g]) * lv;
+        }
+        continue;
+      }
+      for (int k = 0; k < per; ++k) {
+#if defined(__GNUC__) && !defined(__clang__)
+        const vf sv = __builtin_shuffle(srow, group_of[j * per + k]);
+#else
+        vf sv;
+        for (int i = 0; i < L; ++i) sv[i] = srow[group_of[j * per + k][i]];
+#endif
+        const vf lv = sv * levels<BITS, TABLE>(wide, k, pt.table);
+        for (int64_t r = 0; r < R; ++r) acc[(r * blocks + j) * per + k] += p[r * ld + t] * lv;
+      }
+    }
+    if (pt.has_bias)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t g = 0; g < G; ++g) shift[r * G + g] += p[r * ld + t] * z[t * G + g];
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < blocks; ++j)
+      for (int k = 0; k < per; ++k)
+        for (int i = 0; i < L; ++i) {
+          const int64_t d = (L * j + i) * per + k;
+          out[r * D + d] += acc[(r * blocks + j) * per + k][i] + shift[r * G + d / gs];
+        }
+}
+
+// Scores of a channel part: lane j of word block w holds tokens (w + j) * per + k.
+template <int BITS>
+void channel_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R, float* out,
+                  int64_t ld) {
+  constexpr int per = 32 / BITS;
+  const int64_t D = pt.D, g = pt.group, n = pt.n, groups = n / g, words = n / per;
+  auto [s, z] = scales_of(pt, b, h, D, groups);  // [D, groups] (+ L floats of padding)
+  const uint8_t* base = pt.a.at(b, h);
+  std::vector<vf> acc(R * per), shift(R);
+  vi lane;
+  for (int j = 0; j < L; ++j) lane[j] = j;
+  for (int64_t w = 0; w < words; w += L) {
+    const int64_t count = std::min<int64_t>(L, words - w), g0 = w * per / g;
+    const vi group_of = (lane + static_cast<int>(w)) * per / static_cast<int>(g) - static_cast<int>(g0);
+    std::fill(acc.begin(), acc.end(), vf{});
+    std::fill(shift.begin(), shift.end(), vf{});
+    for (int64_t d = 0; d < D; ++d) {
+      vu word = {};
+      if (count == L) std::memcpy(&word, base + d * pt.a.stride[2] + 4 * w, sizeof(vu));
+      else std::memcpy(&word, base + d * pt.a.stride[2] + 4 * w, 4 * count);
+      vf srow, zrow;  // the next L groups' scales of channel d (the buffers are padded)
+      std::memcpy(&srow, s.data() + d * groups + g0, sizeof(vf));
+      std::memcpy(&zrow, z.data() + d * groups + g0, sizeof(vf));
+      vf lv[per];
+      for (int k = 0; k < per; ++k)
+        lv[k] = __builtin_convertvector((word >> (k * BITS)) & ((1u << BITS) - 1), vf);
+#if defined(__GNUC__) && !defined(__clang__)
+      const vf sv = __builtin_shuffle(srow, group_of), zv = __builtin_shuffle(zrow, group_of);
+#else
+      vf sv, zv;
+      for (int j = 0; j < L; ++j) sv[j] = srow[group_of[j]], zv[j] = zrow[group_of[j]];
+#endif
+      for (int64_t r = 0; r < R; ++r) {
+        const vf qs = q[r * D + d] * sv;
+        shift[r] += q[r * D + d] * zv;
+        for (int k = 0; k < per; ++k) acc[r * per + k] += qs * lv[k];
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)
+      for (int j = 0; j < count; ++j)
+        for (int k = 0; k < per; ++k) out[r * ld + (w + j) * per + k] = acc[r * per + k][j] + shift[r][j];
+  }
+}
+
+// Scores of a dense part: each block of L tokens transposed into lanes.
+void dense_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R, float* out,
+                int64_t ld) {
+  const int64_t D = pt.D, n = pt.n;
+  std::vector<float> row(D);
+  std::vector<vf> tile(D), acc(R);
+  for (int64_t t = 0; t < n; t += L) {
+    const int64_t count = std::min<int64_t>(L, n - t);
+    std::fill(tile.begin(), tile.end(), vf{});
+    for (int j = 0; j < count; ++j) {
+      load(pt.a, pt.a.at(b, h) + (t + j) * pt.a.stride[2], pt.a.stride[3], D, row.data());
+      for (int64_t d = 0; d < D; ++d) tile[d][j] = row[d];
+    }
+    std::fill(acc.begin(), acc.end(), vf{});
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t r = 0; r < R; ++r) acc[r] += q[r * D + d] * tile[d];
+    for (int64_t r = 0; r < R; ++r)
+      for (int j = 0; j < count; ++j) out[r * ld + t + j] = acc[r][j];
+  }
+}
+
+void dense_values(const Part& pt, int64_t b, int64_t h, const float* p, int64_t ld, int64_t R,
+                  float* out) {
+  const int64_t D = pt.D;
+  std::vector<float> row(D);
+  for (int64_t t = 0; t < pt.n; ++t) {
+    load(pt.a, pt.a.at(b, h) + t * pt.a.stride[2], pt.a.stride[3], D, row.data());
+    for (int64_t r = 0; r < R; ++r) {
+      const float w = p[r * ld + t];
+      float* o = out + r * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += w * row[d];
+    }
+  }
+}
+
+template <bool TABLE>
+void token_keys_of(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R, float* out,
+                   int64_t ld) {
+  switch (pt.bits) {
+    case 1: return token_keys<1, TABLE>(pt, b, h, q, R, out, ld);
+    case 2: return token_keys<2, TABLE>(pt, b, h, q, R, out, ld);
+    case 4: return token_keys<4, TABLE>(pt, b, h, q, R, out, ld);
+    default: return token_keys<8, TABLE>(pt, b, h, q, R, out, ld);
+  }
+}
+
+template <bool TABLE>
+void token_values_of(const Part& pt, int64_t b, int64_t h, const float* p, int64_t ld, int64_t R,
+                     float* out) {
+  if (pt.bits > 1 && pt.D * pt.bits % (8 * L) == 0 && pt.D / pt.group <= L) {
+    switch (pt.bits) {
+      case 2: return token_values_rows<2, TABLE>(pt, b, h, p, ld, R, out);
+      case 4: return token_values_rows<4, TABLE>(pt, b, h, p, ld, R, out);
+      default: return token_values_rows<8, TABLE>(pt, b, h, p, ld, R, out);
+    }
+  }
+  switch (pt.bits) {
+    case 1: return token_values<1, TABLE>(pt, b, h, p, ld, R, out);
+    case 2: return token_values<2, TABLE>(pt, b, h, p, ld, R, out);
+    case 4: return token_values<4, TABLE>(pt, b, h, p, ld, R, out);
+    default: return token_values<8, TABLE>(pt, b, h, p, ld, R, out);
+  }
+}
+
+void keys_into(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R, float* out,
+               int64_t ld) {
+  if (pt.kind == kDense) return dense_keys(pt, b, h, q, R, out, ld);
+  if (pt.kind == kToken)
+    return pt.has_table ? token_keys_of<true>(pt, b, h, q, R, out, ld)
+                        : token_keys_of<false>(pt, b, h, q, R, out, ld);
+  switch (pt.bits) {
+    case 1: return channel_keys<1>(pt, b, h, q, R, out, ld);
+    case 2: return channel_keys<2>(pt, b, h, q, R, out, ld);
+    case 4: return channel_keys<4>(pt, b, h, q, R, out, ld);
+    default: return channel_keys<8>(pt, b, h, q, R, out, ld);
+  }
+}
+
+void values_into(const Part& pt, int64_t b, int64_t h, const float* p, int64_t ld, int64_t R,
+                 float* out) {
+  if (pt.kind == kDense) return dense_values(pt, b, h, p, ld, R, out);
+  return pt.has_table ? token_values_of<true>(pt, b, h, p, ld, R, out)
+                      : token_values_of<false>(pt, b, h, p, ld, R, out);
+}
+
+// exp(x) for x <= 0: 2^i * p(f) as in ops/attention.py (max relative error 1.9e-7);
+// below 2^-127 it is exactly 0.
+inline vf exp_nonpositive(vf x) {
+  constexpr float c[6] = {1.8775767e-3f, 8.9893397e-3f, 5.5826318e-2f,
+                          2.4015361e-1f, 6.9315308e-1f, 9.9999994e-1f};
+  vf t = x * 1.4426950408889634f;
+  t = t < -127.f ? vf{} - 127.f : t;
+  vf i = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
+  i = i > t ? i - 1.f : i;
+  const vf f = t - i;
+  vf p = c[0] * f + c[1];
+  for (int k = 2; k < 6; ++k) p = p * f + c[k];
+  const vi e = (__builtin_convertvector(i, vi) + 127) << 23;
+  return p * reinterpret_cast<const vf&>(e);
+}
+
+// Row softmax numerators in place; returns each row's sum.
+std::vector<float> exp_rows(float* sc, int64_t R, int64_t S) {
+  std::vector<float> den(R);
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = sc + r * S;
+    const float m = *std::max_element(row, row + S);
+    vf sum = {};
+    int64_t t = 0;
+    for (; t + L <= S; t += L) {
+      vf x;
+      std::memcpy(&x, row + t, sizeof(vf));
+      x = exp_nonpositive(x - m);
+      std::memcpy(row + t, &x, sizeof(vf));
+      sum += x;
+    }
+    vf x = vf{} - 1e30f;
+    std::memcpy(&x, row + t, 4 * (S - t));
+    x = exp_nonpositive(x - m);
+    std::memcpy(row + t, &x, 4 * (S - t));
+    den[r] = lane_sum(sum) + lane_sum(x);
+  }
+  return den;
+}
+
+struct Plan {
+  std::vector<Part> keys, values;
+  View q;
+  int64_t B, H, R, D, Dv, S;
+};
+
+void attend_head(const Plan& pl, int64_t b, int64_t h, float* out) {
+  const int64_t R = pl.R, S = pl.S;
+  const auto q = load_matrix(pl.q, b, h, R, pl.D);
+  std::vector<float> sc(R * S), acc(R * pl.Dv, 0.f);
+  int64_t off = 0;
+  for (const auto& pt : pl.keys) keys_into(pt, b, h, q.data(), R, sc.data() + off, S), off += pt.n;
+  const auto den = exp_rows(sc.data(), R, S);
+  off = 0;
+  for (const auto& pt : pl.values)
+    values_into(pt, b, h, sc.data() + off, S, R, acc.data()), off += pt.n;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < pl.Dv; ++d) out[r * pl.Dv + d] = acc[r * pl.Dv + d] / den[r];
+}
+
+void run(const Plan& pl, float* out, int threads) {
+  const int64_t heads = pl.B * pl.H;
+  auto work = [&](int w) {
+    for (int64_t i = w; i < heads; i += threads)
+      attend_head(pl, i / pl.H, i % pl.H, out + i * pl.R * pl.Dv);
+  };
+  std::vector<std::thread> pool;
+  for (int w = 1; w < threads && w < heads; ++w) pool.emplace_back(work, w);
+  work(0);
+  for (auto& t : pool) t.join();
+}
+
+// Fills the parts' views and sizes from the op's inputs (inputs[0] is the queries).
+std::vector<Part> bind_parts(const std::vector<int>& spec, size_t first, size_t count,
+                       const std::vector<mx::array>& in, size_t& next) {
+  std::vector<Part> parts;
+  for (size_t i = first; i < first + count; ++i) {
+    const int* sp = spec.data() + kSpecInts * i;
+    Part pt{sp[0], sp[1], sp[2], sp[3] != 0, sp[4] != 0};
+    const auto& a = in[next++];
+    pt.a = view_of(a);
+    if (pt.kind == kDense) {
+      pt.n = a.shape(2), pt.D = a.shape(3);
+    } else {
+      pt.s = view_of(in[next++]);
+      if (pt.has_bias) pt.z = view_of(in[next++]);
+      if (pt.has_table) {
+        const auto& t = in[next++];
+        for (size_t j = 0; j < t.size() && j < L; ++j) pt.table[j] = t.data<float>()[j];
+      }
+      const int64_t width = a.shape(3) * static_cast<int64_t>(mx::size_of(a.dtype())) * 8 / pt.bits;
+      pt.n = pt.kind == kToken ? a.shape(2) : width;
+      pt.D = pt.kind == kToken ? width : a.shape(2);
+      if (a.strides()[3] != 1)
+        throw std::invalid_argument("veloxquant native: codes must be contiguous along their last axis");
+    }
+    parts.push_back(pt);
+  }
+  return parts;
+}
+
+class DecodeAttention : public mx::Primitive {
+ public:
+  DecodeAttention(mx::Stream s, std::vector<int> spec, int n_keys, int threads)
+      : mx::Primitive(s), spec_(std::move(spec)), n_keys_(n_keys), threads_(threads) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto& out = outs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    Plan pl;
+    size_t next = 1;
+    const size_t parts = spec_.size() / kSpecInts;
+    pl.keys = bind_parts(spec_, 0, n_keys_, in, next);
+    pl.values = bind_parts(spec_, n_keys_, parts - n_keys_, in, next);
+    const auto& q = in[0];
+    pl.q = view_of(q);
+    pl.B = q.shape(0), pl.H = q.shape(1), pl.R = q.shape(2), pl.D = q.shape(3);
+    pl.Dv = out.shape(3);
+    pl.S = 0;
+    for (const auto& pt : pl.keys) pl.S += pt.n;
+    enc.dispatch([pl = std::move(pl), keep = in, out_ptr = out.data<float>(),
+                  threads = threads_]() { run(pl, out_ptr, threads); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("veloxquant's fused decode attention runs on the CPU only");
+  }
+
+  const char* name() const override { return "VeloxquantDecodeAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DecodeAttention&>(other);
+    return spec_ == o.spec_ && n_keys_ == o.n_keys_ && threads_ == o.threads_;
+  }
+
+ private:
+  std::vector<int> spec_;
+  int n_keys_, threads_;
+};
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("veloxquant native: " + what);
+}
+
+bool is_float(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
+
+// Checks one part's arrays (from inputs[next]); returns its token count and head dim.
+std::pair<int64_t, int64_t> check_part(const int* sp, const std::vector<mx::array>& in,
+                                       size_t& next, int64_t B, int64_t H) {
+  const int kind = sp[0], bits = sp[1], group = sp[2];
+  check(kind >= kDense && kind <= kChannel, "kind must be 0 (dense), 1 (token) or 2 (channel)");
+  check(next < in.size(), "fewer arrays than the parts need");
+  const auto& a = in[next++];
+  check(a.ndim() == 4 && a.shape(0) == B && a.shape(1) == H,
+        "every part must be 4-D with the queries' batch and KV heads");
+  if (kind == kDense) {
+    check(is_float(a.dtype()), "dense parts must be float32, float16 or bfloat16");
+    return {a.shape(2), a.shape(3)};
+  }
+  check(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8");
+  check(!mx::issubdtype(a.dtype(), mx::floating), "codes must be unsigned integers");
+  const int64_t width = a.shape(3) * static_cast<int64_t>(mx::size_of(a.dtype())) * 8 / bits;
+  check(a.shape(3) * static_cast<int64_t>(mx::size_of(a.dtype())) % 4 == 0,
+        "a code row must be whole 32-bit words");
+  check(next < in.size(), "fewer arrays than the parts need");
+  const auto& s = in[next++];
+  check(is_float(s.dtype()) && s.ndim() == 4, "scales must be 4-D floats");
+  if (sp[3]) check(next < in.size() && in[next++].shape() == s.shape(), "biases must have the scales' shape");
+  if (sp[4]) {
+    check(next < in.size(), "fewer arrays than the parts need");
+    const auto& t = in[next++];
+    check(t.dtype() == mx::float32 && t.size() == (size_t{1} << bits) && bits <= 4,
+          "a table must be 2^bits float32 levels, bits at most 4");
+  }
+  if (kind == kToken) {
+    check(group > 0 && width % group == 0 && s.shape(2) == a.shape(2) &&
+              s.shape(3) == width / group,
+          "token scales must be [B, H, n, D / group]");
+    return {a.shape(2), width};
+  }
+  check(sp[3] && !sp[4], "channel parts have biases and no table");
+  check(s.shape(2) == a.shape(2) && s.shape(3) * group == width && group % (32 / bits) == 0,
+        "channel scales must be [B, H, D, n / group], groups of whole words");
+  return {width, a.shape(2)};
+}
+
+mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& arrays,
+                           const std::vector<int>& spec, int n_keys, int threads) {
+  check(q.ndim() == 4 && q.dtype() == mx::float32, "queries must be [B, H, rows, D] float32");
+  check(spec.size() % kSpecInts == 0, "spec must hold 5 ints per part");
+  const int parts = static_cast<int>(spec.size() / kSpecInts);
+  check(n_keys >= 1 && n_keys < parts, "need at least one key part and one value part");
+  check(threads >= 1, "threads must be at least 1");
+  const int64_t B = q.shape(0), H = q.shape(1);
+  std::vector<mx::array> inputs = {q};
+  inputs.insert(inputs.end(), arrays.begin(), arrays.end());
+  size_t next = 1;
+  int64_t S_keys = 0, S_values = 0, Dv = -1;
+  for (int i = 0; i < parts; ++i) {
+    auto [n, d] = check_part(spec.data() + kSpecInts * i, inputs, next, B, H);
+    if (i < n_keys) {
+      check(d == q.shape(3), "key parts must have the queries' head dim");
+      S_keys += n;
+    } else {
+      check(spec[kSpecInts * i] != kChannel, "channel parts hold keys only");
+      check(Dv < 0 || Dv == d, "value parts must share one head dim");
+      Dv = d, S_values += n;
+    }
+  }
+  check(next == inputs.size(), "more arrays than the parts take");
+  check(S_keys == S_values && S_keys > 0, "key and value parts must cover the same tokens");
+  return mx::array({static_cast<int>(B), static_cast<int>(H), q.shape(2), static_cast<int>(Dv)},
+                   mx::float32,
+                   std::make_shared<DecodeAttention>(mx::to_stream(mx::Device::cpu), spec, n_keys,
+                                                     threads),
+                   inputs);
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "veloxquant_mlx's fused CPU decode attention over stored parts.";
+  m.def("decode_attention", &decode_attention, "q"_a, "arrays"_a, "spec"_a, "n_keys"_a,
+        "threads"_a = 1);
+}

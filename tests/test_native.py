@@ -1,0 +1,234 @@
+"""The fused CPU decode attention (``csrc/parts.cpp`` through ``ops.native``): for every
+stored form it reads, the result of MLX's ops within float tolerance; the forms and calls
+it does not take fall through to MLX's ops; bad calls are refused naming what is wrong.
+
+``make test`` builds the extension (``scripts/setup.sh``), so these tests require it: a
+failed build fails them instead of hiding behind a skip."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import pytest
+
+from veloxquant_mlx.ops import attention, native
+from veloxquant_mlx.ops import codebook as cb
+from veloxquant_mlx.ops import fpcodes as fp
+from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops.parts import (
+    ChannelCodes,
+    DensePart,
+    FloatCodes,
+    PackedCodes,
+    coded_part,
+    token_codes,
+)
+
+B, H, D = 2, 2, 64
+
+
+def test_the_extension_is_built_and_loads() -> None:
+    assert native._native is not None, native.status()
+    assert native.available()
+    assert native.status().startswith("fused")
+
+
+def _normal(n: int, seed: int, d: int = D) -> mx.array:
+    return mx.random.normal((B, H, n, d), key=mx.random.key(seed))
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, queries: mx.array, keys: list, values: list,
+          mask: object = None) -> tuple[mx.array, mx.array, int]:
+    """(fused, MLX's ops, fused op calls) for one decode attention."""
+    calls = []
+    real = native._native.decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native._native, "decode_attention", counted)
+    fused = attention.attend_parts(queries, keys, values, 0.125, mask)
+    monkeypatch.setenv(native.ENV, "0")
+    plain = attention.attend_parts(queries, keys, values, 0.125, mask)
+    monkeypatch.delenv(native.ENV)
+    return fused, plain, len(calls)
+
+
+def _close(a: mx.array, b: mx.array) -> float:
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+FORMS: dict[str, Callable[[mx.array], object]] = {
+    **{f"token {bits}-bit g{g}": (lambda x, bits=bits, g=g: token_codes(q.quantize(x, bits, g)))
+       for bits in (2, 4, 8) for g in (32, 64)},
+    **{f"codebook {bits}-bit": (lambda x, bits=bits: coded_part(cb.encode(x, bits, "bytes")))
+       for bits in (1, 2, 4)},
+    "packed 4-bit": lambda x: PackedCodes(q.quantize(x, 4, 32)),
+}
+CHANNEL = {f"channel {bits}-bit g{g}": (bits, g) for bits in (2, 4, 8) for g in (32, 64)}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_token_forms_give_mlx_results(form: str, rows: int,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # 128 stored tokens then a dense window of 37: blocks of 16 lanes end mid-block.
+    make = FORMS[form]
+    keys = [make(_normal(128, 1)), DensePart(_normal(37, 2))]
+    values = [make(_normal(128, 3)), DensePart(_normal(37, 4))]
+    queries = mx.random.normal((B, H * rows, 1, D), key=mx.random.key(5))
+    fused, plain, calls = _both(monkeypatch, queries, keys, values)
+    assert calls == 1
+    assert _close(fused, plain) < 2e-5
+
+
+@pytest.mark.parametrize("form", list(CHANNEL))
+def test_channel_keys_cut_apart_from_values_give_mlx_results(
+        form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # KIVI: keys quantized per channel in whole groups, values per token, each with its
+    # own float residual (float16 here), so key and value parts end at different tokens.
+    bits, g = CHANNEL[form]
+    k, v = _normal(3 * g + 20, 6), _normal(3 * g + 20, 7)
+    keys = [ChannelCodes(q.quantize_tokens(k[:, :, :3 * g], bits, g)),
+            DensePart(k[:, :, 3 * g:].astype(mx.float16))]
+    values = [token_codes(q.quantize(v[:, :, :3 * g + 16], 4, 32)),
+              DensePart(v[:, :, 3 * g + 16:].astype(mx.float16))]
+    queries = mx.random.normal((B, H * 3, 1, D), key=mx.random.key(8))
+    fused, plain, calls = _both(monkeypatch, queries, keys, values)
+    assert calls == 1
+    assert _close(fused, plain) < 2e-5
+
+
+def test_views_into_a_larger_buffer_are_read_at_their_strides(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Caches hand over slices of preallocated buffers: a wrong stride reads other tokens.
+    big = q.quantize(_normal(256, 9), 4, 32)
+    view = q.Quantized(big.codes[:, :, 40:140], big.scales[:, :, 40:140],
+                       big.biases[:, :, 40:140], 4, 32)
+    dense = _normal(300, 10)[:, :, 100:150]
+    keys = [token_codes(view), DensePart(dense)]
+    values = [DensePart(_normal(300, 11)[:, :, 7:107]), DensePart(dense)]
+    queries = mx.random.normal((B, H * 2, 1, D), key=mx.random.key(12))
+    fused, plain, calls = _both(monkeypatch, queries, keys, values)
+    assert calls == 1
+    assert _close(fused, plain) < 2e-5
+
+
+def test_a_wrong_scale_would_be_seen() -> None:
+    # The bound above is tight enough to catch a kernel that drops a group's scale.
+    qt = q.quantize(_normal(64, 13), 4, 32)
+    broken = q.Quantized(qt.codes, qt.scales * mx.array([1.0, 1.01]).astype(qt.scales.dtype),
+                         qt.biases, 4, 32)
+    queries = mx.random.normal((B, H, 1, D), key=mx.random.key(14))
+    values = [DensePart(_normal(64, 15))]
+    good = attention.attend_parts(queries, [token_codes(qt)], values, 0.125)
+    bad = attention.attend_parts(queries, [token_codes(broken)], values, 0.125)
+    assert _close(bad, good) > 2e-5
+
+
+@pytest.mark.parametrize("case", ["mask", "float16 queries", "float codes", "dense only",
+                                  "prompt rows"])
+def test_what_it_does_not_take_runs_on_mlx_ops(case: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = [token_codes(q.quantize(_normal(64, 16), 4, 32))]
+    values = [DensePart(_normal(64, 17))]
+    queries = mx.random.normal((B, H, 1, D), key=mx.random.key(18))
+    mask = None
+    if case == "mask":
+        mask = mx.arange(64)[None] < 50
+    elif case == "float16 queries":
+        queries = queries.astype(mx.float16)
+    elif case == "float codes":
+        c = fp.encode(_normal(64, 19), "mxfp4")
+        keys = [FloatCodes(c, packed=False)]
+    elif case == "dense only":
+        keys = [DensePart(_normal(64, 20))]
+    else:
+        queries = mx.random.normal((B, H, 20, D), key=mx.random.key(21))
+        mask = "causal"
+    fused, plain, calls = _both(monkeypatch, queries, keys, values, mask)
+    assert calls == 0
+    assert _close(fused, plain) == 0.0
+
+
+def test_no_float_copy_of_the_store_is_allocated() -> None:
+    # 16k tokens of 4-bit codes: MLX's float path builds float blocks of the codes; the
+    # fused op allocates its output only (its buffers are per head and token-block sized).
+    n = 16384
+    keys = [ChannelCodes(q.quantize_tokens(_normal(n, 22), 4, 64))]
+    values = [token_codes(q.quantize(_normal(n, 23), 4, 64))]
+    queries = mx.random.normal((B, H * 3, 1, D), key=mx.random.key(24))
+    mx.eval(queries, *keys[0].qt.arrays, *[a for a in values[0].stored()[3]])
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(attention.attend_parts(queries, keys, values, 0.125))
+    floats = B * H * n * D * 4
+    assert mx.get_peak_memory() - base < floats / 50
+
+
+def _call(spec: list[int], arrays: list[mx.array], n_keys: int = 1) -> None:
+    mx.eval(native._native.decode_attention(mx.ones((1, 1, 1, 8)), arrays, spec, n_keys))
+
+
+@pytest.mark.parametrize("spec,arrays,message", [
+    ([0, 0, 0, 0, 0], [mx.ones((1, 1, 4, 8))], "at least one key part and one value part"),
+    ([0, 0, 0, 0, 0, 0, 0, 0, 0, 0], [mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 5, 8))],
+     "same tokens"),
+    ([1, 3, 8, 0, 0, 0, 0, 0, 0, 0], [mx.zeros((1, 1, 4, 1), mx.uint32), mx.ones((1, 1, 4, 1)),
+                                      mx.ones((1, 1, 4, 8))], "bits must be 1, 2, 4 or 8"),
+    ([1, 4, 8, 0, 0, 0, 0, 0, 0, 0], [mx.ones((1, 1, 4, 1)), mx.ones((1, 1, 4, 1)),
+                                      mx.ones((1, 1, 4, 8))], "codes must be unsigned"),
+    ([0, 0, 0, 0, 0, 2, 4, 8, 1, 0], [mx.ones((1, 1, 8, 8)), mx.zeros((1, 1, 8, 1), mx.uint32),
+                                      mx.ones((1, 1, 8, 1)), mx.ones((1, 1, 8, 1))],
+     "channel parts hold keys only"),
+    ([0, 0, 0, 0, 0, 0, 0, 0, 0, 0], [mx.ones((1, 1, 4, 8))], "fewer arrays"),
+])
+def test_bad_calls_are_refused_naming_the_problem(spec: list[int], arrays: list[mx.array],
+                                                  message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _call(spec, arrays)
+
+
+@pytest.mark.parametrize("method", ["kivi:bits=4,group_size=32", "turboquant", "affine:bits=4,group_size=32"])
+def test_the_plain_loop_gives_the_same_logits_fused(method: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # The user's loop: a prompt, then one token at a time, no state evaluation.
+    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+    from veloxquant_mlx.testing.tiny import tiny_model
+
+    model = tiny_model("llama")
+    tokens = mx.random.randint(0, 128, (1, 300), key=mx.random.key(25))
+    calls = []
+    real = native._native.decode_attention
+    monkeypatch.setattr(native._native, "decode_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run() -> list[mx.array]:
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig.from_string(method))
+        mx.eval(model(tokens[:, :260], cache=caches))
+        out = []
+        for i in range(260, 300):
+            out.append(model(tokens[:, i:i + 1], cache=caches))
+            mx.eval(out[-1])
+        return out
+
+    fused = run()
+    assert len(calls) == 40 * len(model.layers)
+    monkeypatch.setenv(native.ENV, "0")
+    plain = run()
+    assert max(_close(a, b) for a, b in zip(fused, plain)) < 1e-4
+
+
+def test_a_long_store_split_across_threads_gives_mlx_results(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "THREADS", 2)
+    n = native.THREADED_KEYS + 64
+    keys = [ChannelCodes(q.quantize_tokens(_normal(n, 26), 4, 64))]
+    values = [coded_part(cb.encode(_normal(n, 27), 4, "bytes"))]
+    queries = mx.random.normal((B, H * 3, 1, D), key=mx.random.key(28))
+    fused, plain, calls = _both(monkeypatch, queries, keys, values)
+    assert calls == 1
+    assert _close(fused, plain) < 2e-5
