@@ -18,7 +18,7 @@ from veloxquant_mlx import KVCacheBuilder
 from veloxquant_mlx.cache import stored
 from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.cache.batch import BatchedCache
-from veloxquant_mlx.ops import batch_parts, streams
+from veloxquant_mlx.ops import batch_parts, native, streams
 from veloxquant_mlx.testing.tiny import tiny_model
 
 # Different lengths, so every segment is padded differently per row.
@@ -64,11 +64,15 @@ def _groups() -> int:
     return len(streams.groups(len(PROMPTS), streams.stream_count()))
 
 
-@pytest.mark.parametrize("cpu_streams", ["1", "2"])
+@pytest.mark.parametrize("cpu_streams,fused", [("1", "1"), ("2", "1"), ("1", "0")])
 def test_a_batch_decodes_in_one_call_as_each_row_alone(method: str, cpu_streams: str,
+                                                       fused: str,
                                                        monkeypatch: pytest.MonkeyPatch
                                                        ) -> None:
+    # fused "1": rows whose parts the fused CPU kernel reads attend row by row in it;
+    # "0": every class lays its rows side by side (the path GPU backends take).
     monkeypatch.setenv(streams.ENV, cpu_streams)
+    monkeypatch.setenv(native.ENV, fused)
     model = tiny_model("llama", seed=3)
     calls = {"at_once": 0}
     at_once = BatchedCache._attend_at_once
@@ -97,6 +101,7 @@ def test_the_value_layout_matters_when_keys_and_values_are_cut_apart(
     # KIVI codes keys in blocks and values one token at a time: rows of different
     # lengths then have different key and value layouts. Dropping the value index
     # (reading the values' probabilities at the keys' positions) is visibly wrong.
+    monkeypatch.setenv(native.ENV, "0")  # the fused kernel attends each row's own parts
     model = tiny_model("llama", seed=3)
     assert _max_error(model, "kivi") <= TOLERANCE
     stacked = batch_parts.batch_slots

@@ -232,3 +232,37 @@ def test_a_long_store_split_across_threads_gives_mlx_results(
     fused, plain, calls = _both(monkeypatch, queries, keys, values)
     assert calls == 1
     assert _close(fused, plain) < 2e-5
+
+
+@pytest.mark.parametrize("method", ["kivi:bits=4,group_size=32", "turboquant"])
+def test_a_batch_attends_each_row_in_the_fused_kernel(method: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # A server's decode step: rows of different lengths, no padded layout or mask; the
+    # same logits as each row alone (and as MLX's padded batch: test_batch_attention).
+    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+    from veloxquant_mlx.cache.batch import BatchedCache
+    from veloxquant_mlx.testing.tiny import tiny_model
+
+    model = tiny_model("llama", seed=3)
+    config = KVCacheConfig.from_string(method)
+    # Past the float window (128 tokens), so every row holds codes; a row still all in
+    # its window would take MLX's ops for its own attention.
+    prompts = [mx.random.randint(0, 128, (1, n), key=mx.random.key(n)) for n in (230, 170, 300)]
+
+    def rows() -> list[list]:
+        out = []
+        for p in prompts:
+            caches = KVCacheBuilder.for_model(model, config)
+            mx.eval(model(p, cache=caches))
+            out.append(caches)
+        return out
+
+    alone = [model(mx.array([[5]]), cache=c)[0, -1] for c in rows()]
+    calls = []
+    real = native._native.decode_attention
+    monkeypatch.setattr(native._native, "decode_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    layers = [BatchedCache.merge(list(col)) for col in zip(*rows())]
+    batched = model(mx.array([[5]] * len(prompts)), cache=layers)[:, -1]
+    assert len(calls) == len(prompts) * len(model.layers)
+    assert max(_close(b, a) for b, a in zip(batched, alone)) < 1e-4

@@ -16,7 +16,7 @@ from veloxquant_mlx.cache.batch import BatchedCache
 from veloxquant_mlx.cache.stored import StoredFormCache
 from veloxquant_mlx.eval.bench import fill_caches
 from veloxquant_mlx.memory import transient_peak
-from veloxquant_mlx.ops import batch_parts, streams
+from veloxquant_mlx.ops import batch_parts, native, streams
 from veloxquant_mlx.testing.tiny import tiny_model
 
 
@@ -109,6 +109,8 @@ def test_a_batch_step_lays_out_a_layers_rows_only_when_the_layer_attends(
     rows = [fill_caches(model, KVCacheConfig("turboquant"), n, chunk=n)
             for n in range(600, 440, -20)]
     batch = [BatchedCache(list(col)) for col in zip(*rows)]
+    assert _step_peak(model, batch) < 8  # each row in the fused CPU kernel: no layout
+    monkeypatch.setenv(native.ENV, "0")  # the padded layout (GPU backends, other codes)
     assert _step_peak(model, batch) < 8
     if cpu_streams == "1":
         monkeypatch.setattr(batch_parts, "_tied", lambda rows, after: rows)

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.cache.segments import StoredForm
-from veloxquant_mlx.ops import kernels
+from veloxquant_mlx.ops import kernels, native
 from veloxquant_mlx.ops.attention import attend_parts, decodes_at_once
 from veloxquant_mlx.ops.batch_parts import batch_slots, heads_major, rows_major
 from veloxquant_mlx.ops.parts import Slot, slot_parts
@@ -122,6 +122,9 @@ class StoredFormCache(CompressedCache):
             return None
         if not decodes_at_once(queries.shape[1], first.layer.n_kv_heads, queries.shape[2]):
             return None
+        out = _fused_rows(rows, first._turn_in(queries), scale)
+        if out is not None:
+            return first._turn_out(out, queries.dtype)
         qh = heads_major(first._turn_in(queries), first.layer.n_kv_heads)
         batched = batch_slots([r.attention_slots() for r in rows], after=qh)
         if batched is None:
@@ -164,6 +167,23 @@ class StoredFormCache(CompressedCache):
         self.commit()
         self.stored.drop_front(n)
         self.offset -= n
+
+
+def _fused_rows(rows: list[Any], queries: mx.array, scale: float) -> mx.array | None:
+    """Each row's attention over its own parts with the fused CPU kernel (``ops.native``;
+    a row still all in its float window takes MLX's ops), rows joined: no padded layout
+    and no mask to build. None unless the kernel reads every row's parts."""
+    parts = []
+    for i, r in enumerate(rows):
+        keys, values = r.attention_slots()
+        q = queries[i:i + 1]
+        parts.append((q, _parts(keys, q), _parts(values, q)))
+    if not all(native.reads(q.dtype, k, v) for q, k, v in parts):
+        return None
+    out = mx.concatenate([attend_parts(q, k, v, scale) for q, k, v in parts], axis=0)
+    for r in rows:
+        r.commit()
+    return out
 
 
 def _parts(slots: list[Slot], queries: mx.array) -> list[Any]:

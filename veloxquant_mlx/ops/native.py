@@ -80,16 +80,32 @@ def _described(parts: Sequence[Any]) -> tuple[list[int], list[mx.array]] | None:
     return spec, arrays
 
 
+def _plan(dtype: mx.Dtype, keys: Sequence[Any], values: Sequence[Any]
+          ) -> tuple[tuple[list[int], list[mx.array]], tuple[list[int], list[mx.array]]] | None:
+    if not reads(dtype, keys, values):
+        return None
+    k, v = _described(keys), _described(values)
+    # Over dense parts only, MLX's matmuls (BLAS) are faster.
+    if k is None or v is None or not any(k[0][i] for i in range(0, len(k[0]), 5)):
+        return None
+    return k, v
+
+
+def reads(dtype: mx.Dtype, keys: Sequence[Any], values: Sequence[Any]) -> bool:
+    """Whether every part's stored form is one the kernel reads, for queries of
+    ``dtype`` on this backend (:func:`decode` still leaves dense-only parts to MLX)."""
+    return (available() and dtype == mx.float32 and not on_gpu()
+            and _described(keys) is not None and _described(values) is not None)
+
+
 def decode(q: mx.array, keys: Sequence[Any], values: Sequence[Any]) -> mx.array | None:
     """Softmax attention of scaled queries ``q`` ``[B, H, rows, D]`` (float32) over the
     key and value parts, normalized, ``[B, H, rows, Dv]``; ``None`` where the extension
     is off or a part's stored form is not one it reads (then MLX's ops run)."""
-    if not available() or q.dtype != mx.float32 or on_gpu():
+    plan = _plan(q.dtype, keys, values)
+    if plan is None:
         return None
-    k, v = _described(keys), _described(values)
-    # Over dense parts only, the module's own kernels are faster (BLAS matmuls).
-    if k is None or v is None or not any(k[0][i] for i in range(0, len(k[0]), 5)):
-        return None
+    k, v = plan
     long = q.shape[0] * q.shape[1] > 1 and sum(p.n for p in keys) >= THREADED_KEYS
     return _native.decode_attention(q, k[1] + v[1], k[0] + v[0], len(keys),
                                     THREADS if long else 1)
