@@ -167,6 +167,16 @@ inline vu gather_words(const uint8_t* base, int64_t row, int64_t t, int64_t coun
   return out;
 }
 
+// f(d, levels of dim d) for every dim of the code rows of tokens t..t+L of a token part.
+template <int BITS, bool TABLE, class F>
+inline void for_each_dim(const Part& pt, const uint8_t* base, int64_t t, int64_t count, F&& f) {
+  constexpr int per = 32 / BITS;
+  for (int64_t w = 0; w < pt.D / per; ++w) {
+    const vu word = gather_words(base, pt.a.stride[2], t, count, w);
+    for (int k = 0; k < per; ++k) f(w * per + k, levels<BITS, TABLE>(word, k, pt.table));
+  }
+}
+
 // m[(t + j) * step] for the lanes j < count, zeros past it.
 inline vf lanes(const float* m, int64_t step, int64_t t, int64_t count) {
   vf out = {};
@@ -184,7 +194,6 @@ inline float lane_sum(const vf& v) {
 template <int BITS, bool TABLE>
 void token_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R, float* out,
                 int64_t ld) {
-  constexpr int per = 32 / BITS;
   const int64_t D = pt.D, gs = pt.group, G = D / gs, n = pt.n;
   auto [s, z] = scales_of(pt, b, h, n, G);
   std::vector<float> qsum(R * G, 0.f);
@@ -195,14 +204,9 @@ void token_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R,
   for (int64_t t = 0; t < n; t += L) {
     const int64_t count = std::min<int64_t>(L, n - t);
     std::fill(acc.begin(), acc.end(), vf{});
-    for (int64_t w = 0; w < D / per; ++w) {
-      const vu word = gather_words(base, pt.a.stride[2], t, count, w);
-      for (int k = 0; k < per; ++k) {
-        const int64_t d = w * per + k, g = d / gs;
-        const vf lv = levels<BITS, TABLE>(word, k, pt.table);
-        for (int64_t r = 0; r < R; ++r) acc[r * G + g] += q[r * D + d] * lv;
-      }
-    }
+    for_each_dim<BITS, TABLE>(pt, base, t, count, [&](int64_t d, const vf& lv) {
+      for (int64_t r = 0; r < R; ++r) acc[r * G + d / gs] += q[r * D + d] * lv;
+    });
     for (int64_t r = 0; r < R; ++r) {
       vf score = {};
       for (int64_t g = 0; g < G; ++g)
@@ -217,7 +221,6 @@ void token_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R,
 template <int BITS, bool TABLE>
 void token_values(const Part& pt, int64_t b, int64_t h, const float* p, int64_t ld, int64_t R,
                   float* out) {
-  constexpr int per = 32 / BITS;
   const int64_t D = pt.D, gs = pt.group, G = D / gs, n = pt.n;
   auto [s, z] = scales_of(pt, b, h, n, G);
   const uint8_t* base = pt.a.at(b, h);
@@ -231,14 +234,9 @@ void token_values(const Part& pt, int64_t b, int64_t h, const float* p, int64_t 
         pz[r * G + g] += pr * lanes(z.data() + g, G, t, count);
       }
     }
-    for (int64_t w = 0; w < D / per; ++w) {
-      const vu word = gather_words(base, pt.a.stride[2], t, count, w);
-      for (int k = 0; k < per; ++k) {
-        const int64_t d = w * per + k, g = d / gs;
-        const vf lv = levels<BITS, TABLE>(word, k, pt.table);
-        for (int64_t r = 0; r < R; ++r) acc[r * D + d] += ps[r * G + g] * lv;
-      }
-    }
+    for_each_dim<BITS, TABLE>(pt, base, t, count, [&](int64_t d, const vf& lv) {
+      for (int64_t r = 0; r < R; ++r) acc[r * D + d] += ps[r * G + d / gs] * lv;
+    });
   }
   for (int64_t r = 0; r < R; ++r)
     for (int64_t d = 0; d < D; ++d)

@@ -38,17 +38,19 @@ def _normal(n: int, seed: int, d: int = D) -> mx.array:
     return mx.random.normal((B, H, n, d), key=mx.random.key(seed))
 
 
+def _counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Calls of the fused op from now on (one entry each)."""
+    calls: list[int] = []
+    real = native._native.decode_attention
+    monkeypatch.setattr(native._native, "decode_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
 def _both(monkeypatch: pytest.MonkeyPatch, queries: mx.array, keys: list, values: list,
           mask: object = None) -> tuple[mx.array, mx.array, int]:
     """(fused, MLX's ops, fused op calls) for one decode attention."""
-    calls = []
-    real = native._native.decode_attention
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(native._native, "decode_attention", counted)
+    calls = _counted(monkeypatch)
     fused = attention.attend_parts(queries, keys, values, 0.125, mask)
     monkeypatch.setenv(native.ENV, "0")
     plain = attention.attend_parts(queries, keys, values, 0.125, mask)
@@ -201,10 +203,7 @@ def test_the_plain_loop_gives_the_same_logits_fused(method: str,
 
     model = tiny_model("llama")
     tokens = mx.random.randint(0, 128, (1, 300), key=mx.random.key(25))
-    calls = []
-    real = native._native.decode_attention
-    monkeypatch.setattr(native._native, "decode_attention",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _counted(monkeypatch)
 
     def run() -> list[mx.array]:
         caches = KVCacheBuilder.for_model(model, KVCacheConfig.from_string(method))
@@ -258,10 +257,7 @@ def test_a_batch_attends_each_row_in_the_fused_kernel(method: str,
         return out
 
     alone = [model(mx.array([[5]]), cache=c)[0, -1] for c in rows()]
-    calls = []
-    real = native._native.decode_attention
-    monkeypatch.setattr(native._native, "decode_attention",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _counted(monkeypatch)
     layers = [BatchedCache.merge(list(col)) for col in zip(*rows())]
     batched = model(mx.array([[5]] * len(prompts)), cache=layers)[:, -1]
     assert len(calls) == len(prompts) * len(model.layers)

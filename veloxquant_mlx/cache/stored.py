@@ -173,6 +173,8 @@ def _fused_rows(rows: list[Any], queries: mx.array, scale: float) -> mx.array | 
     """Each row's attention over its own parts with the fused CPU kernel (``ops.native``;
     a row still all in its float window takes MLX's ops), rows joined: no padded layout
     and no mask to build. None unless the kernel reads every row's parts."""
+    if not native.usable(queries.dtype):  # GPU backends, float16: the padded layout
+        return None
     parts = []
     for i, r in enumerate(rows):
         keys, values = r.attention_slots()

@@ -80,22 +80,28 @@ def _described(parts: Sequence[Any]) -> tuple[list[int], list[mx.array]] | None:
     return spec, arrays
 
 
-def _plan(dtype: mx.Dtype, keys: Sequence[Any], values: Sequence[Any]
-          ) -> tuple[tuple[list[int], list[mx.array]], tuple[list[int], list[mx.array]]] | None:
-    if not reads(dtype, keys, values):
-        return None
-    k, v = _described(keys), _described(values)
-    # Over dense parts only, MLX's matmuls (BLAS) are faster.
-    if k is None or v is None or not any(k[0][i] for i in range(0, len(k[0]), 5)):
-        return None
-    return k, v
+def usable(dtype: mx.Dtype) -> bool:
+    """Whether the kernel can run for queries of ``dtype`` here: built, on, a CPU,
+    float32."""
+    return available() and dtype == mx.float32 and not on_gpu()
 
 
 def reads(dtype: mx.Dtype, keys: Sequence[Any], values: Sequence[Any]) -> bool:
     """Whether every part's stored form is one the kernel reads, for queries of
     ``dtype`` on this backend (:func:`decode` still leaves dense-only parts to MLX)."""
-    return (available() and dtype == mx.float32 and not on_gpu()
-            and _described(keys) is not None and _described(values) is not None)
+    return (usable(dtype) and _described(keys) is not None
+            and _described(values) is not None)
+
+
+def _plan(dtype: mx.Dtype, keys: Sequence[Any], values: Sequence[Any]
+          ) -> tuple[tuple[list[int], list[mx.array]], tuple[list[int], list[mx.array]]] | None:
+    if not usable(dtype):
+        return None
+    k, v = _described(keys), _described(values)
+    # Over dense parts only, MLX's matmuls (BLAS) are faster.
+    if k is None or v is None or all(kind == KIND["dense"] for kind in k[0][::5]):
+        return None
+    return k, v
 
 
 def decode(q: mx.array, keys: Sequence[Any], values: Sequence[Any]) -> mx.array | None:
