@@ -481,22 +481,42 @@ std::vector<float> exp_rows(float* sc, int64_t R, int64_t S) {
   return den;
 }
 
-struct Plan {
+// One sequence's parts: every query row's own (a batch of conversations), or one set whose
+// arrays have the queries' batch axis.
+struct Parts {
   std::vector<Part> keys, values;
-  View q;
-  int64_t B, H, R, D, Dv, S;
+  int64_t S = 0;
 };
 
+struct Plan {
+  std::vector<Parts> rows;  // one entry: shared by the batch
+  View q;
+  int64_t B, H, R, D, Dv;
+  int64_t causal = 0;  // > 0: rows are (query head, token) of the last `causal` keys' tokens
+};
+
+// A causal chunk: row r is token r % C of the chunk's C tokens, the last C of S keys; it
+// sees the keys up to its own. The rest of its scores get a floor whose exp is 0.
+void mask_causal(float* sc, int64_t R, int64_t S, int64_t C) {
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t seen = S - C + 1 + r % C;
+    std::fill(sc + r * S + seen, sc + (r + 1) * S, -1e30f);
+  }
+}
+
 void attend_head(const Plan& pl, int64_t b, int64_t h, float* out) {
-  const int64_t R = pl.R, S = pl.S;
+  const bool own = pl.rows.size() > 1;
+  const Parts& ps = pl.rows[own ? b : 0];
+  const int64_t R = pl.R, S = ps.S, pb = own ? 0 : b;
   const auto q = load_matrix(pl.q, b, h, R, pl.D);
   std::vector<float> sc(R * S), acc(R * pl.Dv, 0.f);
   int64_t off = 0;
-  for (const auto& pt : pl.keys) keys_into(pt, b, h, q.data(), R, sc.data() + off, S), off += pt.n;
+  for (const auto& pt : ps.keys) keys_into(pt, pb, h, q.data(), R, sc.data() + off, S), off += pt.n;
+  if (pl.causal > 0) mask_causal(sc.data(), R, S, pl.causal);
   const auto den = exp_rows(sc.data(), R, S);
   off = 0;
-  for (const auto& pt : pl.values)
-    values_into(pt, b, h, sc.data() + off, S, R, acc.data()), off += pt.n;
+  for (const auto& pt : ps.values)
+    values_into(pt, pb, h, sc.data() + off, S, R, acc.data()), off += pt.n;
   for (int64_t r = 0; r < R; ++r)
     for (int64_t d = 0; d < pl.Dv; ++d) out[r * pl.Dv + d] = acc[r * pl.Dv + d] / den[r];
 }
@@ -544,8 +564,10 @@ std::vector<Part> bind_parts(const std::vector<int>& spec, size_t first, size_t 
 
 class DecodeAttention : public mx::Primitive {
  public:
-  DecodeAttention(mx::Stream s, std::vector<int> spec, int n_keys, int threads)
-      : mx::Primitive(s), spec_(std::move(spec)), n_keys_(n_keys), threads_(threads) {}
+  DecodeAttention(mx::Stream s, std::vector<int> spec, std::vector<int> counts, int threads,
+                  int causal)
+      : mx::Primitive(s), spec_(std::move(spec)), counts_(std::move(counts)), threads_(threads),
+        causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     auto& out = outs[0];
@@ -554,16 +576,20 @@ class DecodeAttention : public mx::Primitive {
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
     Plan pl;
-    size_t next = 1;
-    const size_t parts = spec_.size() / kSpecInts;
-    pl.keys = bind_parts(spec_, 0, n_keys_, in, next);
-    pl.values = bind_parts(spec_, n_keys_, parts - n_keys_, in, next);
+    size_t next = 1, first = 0;
+    for (size_t i = 0; i < counts_.size(); i += 2) {
+      Parts ps;
+      ps.keys = bind_parts(spec_, first, counts_[i], in, next);
+      ps.values = bind_parts(spec_, first + counts_[i], counts_[i + 1], in, next);
+      first += counts_[i] + counts_[i + 1];
+      for (const auto& pt : ps.keys) ps.S += pt.n;
+      pl.rows.push_back(std::move(ps));
+    }
     const auto& q = in[0];
     pl.q = view_of(q);
     pl.B = q.shape(0), pl.H = q.shape(1), pl.R = q.shape(2), pl.D = q.shape(3);
     pl.Dv = out.shape(3);
-    pl.S = 0;
-    for (const auto& pt : pl.keys) pl.S += pt.n;
+    pl.causal = causal_;
     enc.dispatch([pl = std::move(pl), keep = in, out_ptr = out.data<float>(),
                   threads = threads_]() { run(pl, out_ptr, threads); });
   }
@@ -576,12 +602,13 @@ class DecodeAttention : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const DecodeAttention&>(other);
-    return spec_ == o.spec_ && n_keys_ == o.n_keys_ && threads_ == o.threads_;
+    return spec_ == o.spec_ && counts_ == o.counts_ && threads_ == o.threads_ &&
+           causal_ == o.causal_;
   }
 
  private:
-  std::vector<int> spec_;
-  int n_keys_, threads_;
+  std::vector<int> spec_, counts_;
+  int threads_, causal_;
 };
 
 void check(bool ok, const std::string& what) {
@@ -630,22 +657,19 @@ std::pair<int64_t, int64_t> check_part(const int* sp, const std::vector<mx::arra
   return {width, a.shape(2)};
 }
 
-mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& arrays,
-                           const std::vector<int>& spec, int n_keys, int threads) {
-  check(q.ndim() == 4 && q.dtype() == mx::float32, "queries must be [B, H, rows, D] float32");
-  check(spec.size() % kSpecInts == 0, "spec must hold 5 ints per part");
-  const int parts = static_cast<int>(spec.size() / kSpecInts);
-  check(n_keys >= 1 && n_keys < parts, "need at least one key part and one value part");
-  check(threads >= 1, "threads must be at least 1");
-  const int64_t B = q.shape(0), H = q.shape(1);
-  std::vector<mx::array> inputs = {q};
-  inputs.insert(inputs.end(), arrays.begin(), arrays.end());
-  size_t next = 1;
+// One sequence's parts from inputs[next] on: checks them, returns their value head dim and
+// token count.
+std::pair<int64_t, int64_t> check_parts(const std::vector<int>& spec, int first, int n_keys, int n_values,
+                    const std::vector<mx::array>& in, size_t& next, int64_t B, int64_t H,
+                    int64_t D) {
+  check(n_keys >= 1 && n_values >= 1, "need at least one key part and one value part");
+  check(static_cast<size_t>(first + n_keys + n_values) * kSpecInts <= spec.size(),
+        "spec must describe the counted parts");
   int64_t S_keys = 0, S_values = 0, Dv = -1;
-  for (int i = 0; i < parts; ++i) {
-    auto [n, d] = check_part(spec.data() + kSpecInts * i, inputs, next, B, H);
-    if (i < n_keys) {
-      check(d == q.shape(3), "key parts must have the queries' head dim");
+  for (int i = first; i < first + n_keys + n_values; ++i) {
+    auto [n, d] = check_part(spec.data() + kSpecInts * i, in, next, B, H);
+    if (i < first + n_keys) {
+      check(d == D, "key parts must have the queries' head dim");
       S_keys += n;
     } else {
       check(spec[kSpecInts * i] != kChannel, "channel parts hold keys only");
@@ -653,12 +677,41 @@ mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& arr
       Dv = d, S_values += n;
     }
   }
-  check(next == inputs.size(), "more arrays than the parts take");
   check(S_keys == S_values && S_keys > 0, "key and value parts must cover the same tokens");
+  return {Dv, S_keys};
+}
+
+// counts: (key parts, value parts) of one set shared by the batch, or of each batch row's
+// own (its arrays then have a batch axis of 1).
+mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& arrays,
+                           const std::vector<int>& spec, const std::vector<int>& counts,
+                           int threads, int causal) {
+  check(q.ndim() == 4 && q.dtype() == mx::float32, "queries must be [B, H, rows, D] float32");
+  check(spec.size() % kSpecInts == 0, "spec must hold 5 ints per part");
+  const int64_t B = q.shape(0), H = q.shape(1), plans = counts.size() / 2;
+  check(counts.size() % 2 == 0 && (plans == 1 || plans == B),
+        "counts must be (key parts, value parts) once, or once per batch row");
+  check(threads >= 1, "threads must be at least 1");
+  check(causal >= 0 && (causal == 0 || q.shape(2) % causal == 0),
+        "causal must be 0 (no mask) or the chunk's token count, dividing the query rows");
+  std::vector<mx::array> inputs = {q};
+  inputs.insert(inputs.end(), arrays.begin(), arrays.end());
+  size_t next = 1;
+  int first = 0;
+  int64_t Dv = -1;
+  for (int64_t i = 0; i < plans; ++i) {
+    const auto [d, S] = check_parts(spec, first, counts[2 * i], counts[2 * i + 1], inputs, next,
+                                    plans == 1 ? B : 1, H, q.shape(3));
+    check(Dv < 0 || Dv == d, "every row's value parts must share one head dim");
+    check(causal <= S, "a causal chunk cannot hold more tokens than the keys");
+    Dv = d, first += counts[2 * i] + counts[2 * i + 1];
+  }
+  check(first * kSpecInts == static_cast<int>(spec.size()), "spec must describe the counted parts");
+  check(next == inputs.size(), "more arrays than the parts take");
   return mx::array({static_cast<int>(B), static_cast<int>(H), q.shape(2), static_cast<int>(Dv)},
                    mx::float32,
-                   std::make_shared<DecodeAttention>(mx::to_stream(mx::Device::cpu), spec, n_keys,
-                                                     threads),
+                   std::make_shared<DecodeAttention>(mx::to_stream(mx::Device::cpu), spec, counts,
+                                                     threads, causal),
                    inputs);
 }
 
@@ -666,6 +719,6 @@ mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& arr
 
 NB_MODULE(_native, m) {
   m.doc() = "veloxquant_mlx's fused CPU decode attention over stored parts.";
-  m.def("decode_attention", &decode_attention, "q"_a, "arrays"_a, "spec"_a, "n_keys"_a,
-        "threads"_a = 1);
+  m.def("decode_attention", &decode_attention, "q"_a, "arrays"_a, "spec"_a, "counts"_a,
+        "threads"_a = 1, "causal"_a = 0);
 }

@@ -22,7 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from conftest import small_config
+from conftest import run_prefill, small_config
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.adapter.prefill import prefill
@@ -37,6 +37,7 @@ from veloxquant_mlx.cache import (
     xquant,
     xquant_coordinator,
 )
+from veloxquant_mlx.cache.batch import BatchedCache, in_cycles
 from veloxquant_mlx.memory import active_bytes
 from veloxquant_mlx.ops import buffers
 
@@ -110,6 +111,32 @@ def test_real_memory_within_declared(memory_model: Any, method: str, no_buffer_c
     if method != "none":
         # The run is sized so that the method really compresses (real bytes too).
         assert points[-1]["real"] < 0.9 * points[-1]["fp16"], points[-1]
+
+
+def test_only_caches_in_cycles_wait_for_a_collection(memory_model: Any, method: str) -> None:
+    # The server runs gc.collect() after a request only where ``in_cycles`` says a cache
+    # may sit in reference cycles (a collection costs tens of milliseconds with a model
+    # loaded). Every other method's caches, their deep copies (kept prompts) and a batch
+    # of them must go with their last reference; xkv's do not, so an ``in_cycles`` that
+    # always said no would fail here.
+    import copy
+    import gc
+    import weakref
+
+    caches = KVCacheBuilder.for_model(memory_model, small_config(method))
+    run_prefill(memory_model, caches, list(range(1, 41)))
+    copies = copy.deepcopy(caches)
+    batch = [BatchedCache([a, b]) for a, b in zip(caches, copies)]
+    refs = [weakref.ref(c) for c in [*caches, *copies, *batch]]
+    cycles = in_cycles(batch)
+    gc.collect()
+    gc.disable()
+    try:
+        del caches, copies, batch
+        alive = sum(r() is not None for r in refs)
+    finally:
+        gc.enable()
+    assert cycles or alive == 0, f"{method}: {alive} caches wait for gc.collect()"
 
 
 def _no_copy_mx() -> types.SimpleNamespace:

@@ -86,6 +86,40 @@ def test_token_forms_give_mlx_results(form: str, rows: int,
     assert _close(fused, plain) < 2e-5
 
 
+@pytest.mark.parametrize("mask", ["causal", None])
+@pytest.mark.parametrize("chunk", [2, 5, 37])
+def test_prompt_chunks_give_mlx_results(chunk: int, mask: str | None,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A prompt chunk over held codes (a chat's next turn): each of the chunk's tokens sees
+    # the keys up to its own. The chunk is the last ``chunk`` of the 37 window tokens.
+    keys = [coded_part(cb.encode(_normal(128, 30), 4, "bytes")), DensePart(_normal(37, 31))]
+    values = [token_codes(q.quantize(_normal(128, 32), 4, 32)), DensePart(_normal(37, 33))]
+    queries = mx.random.normal((B, H * 3, chunk, D), key=mx.random.key(34))
+    calls = _counted(monkeypatch)
+    fused = native.attend_rows(queries, 0.125, [(keys, values)], mask)
+    assert fused is not None and len(calls) == 1
+    monkeypatch.setenv(native.ENV, "0")
+    plain = attention.attend_parts(queries, keys, values, 0.125, mask)
+    assert _close(fused, plain) < 2e-5
+    if mask:  # the mask matters: without it the early tokens see later ones
+        monkeypatch.delenv(native.ENV)
+        unmasked = native.attend_rows(queries, 0.125, [(keys, values)])
+        assert _close(unmasked, plain) > 1e-3
+
+
+def test_a_chunk_past_the_bounds_takes_mlx_ops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "CHUNK_SCORES", 3 * 8 * 165 - 1)
+    keys = [coded_part(cb.encode(_normal(128, 30), 4, "bytes")), DensePart(_normal(37, 31))]
+    values = [token_codes(q.quantize(_normal(128, 32), 4, 32)), DensePart(_normal(37, 33))]
+    queries = mx.random.normal((B, H * 3, 8, D), key=mx.random.key(34))
+    assert native.attend_rows(queries, 0.125, [(keys, values)], "causal") is None
+    monkeypatch.setattr(native, "CHUNK_SCORES", 3 * 8 * 165)
+    assert native.attend_rows(queries, 0.125, [(keys, values)], "causal") is not None
+    monkeypatch.setattr(native, "CHUNK_ROWS", 3 * 8 - 1)  # 3 query heads a KV head x 8
+    assert native.attend_rows(queries, 0.125, [(keys, values)], "causal") is None
+
+
 @pytest.mark.parametrize("form", list(CHANNEL))
 def test_channel_keys_cut_apart_from_values_give_mlx_results(
         form: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,8 +205,9 @@ def test_no_float_copy_of_the_store_is_allocated() -> None:
     assert mx.get_peak_memory() - base < floats / 50
 
 
-def _call(spec: list[int], arrays: list[mx.array], n_keys: int = 1) -> None:
-    mx.eval(native._native.decode_attention(mx.ones((1, 1, 1, 8)), arrays, spec, n_keys))
+def _call(spec: list[int], arrays: list[mx.array], counts: list[int] | None = None) -> None:
+    counts = counts or [1, len(spec) // 5 - 1]
+    mx.eval(native._native.decode_attention(mx.ones((1, 1, 1, 8)), arrays, spec, counts))
 
 
 @pytest.mark.parametrize("spec,arrays,message", [
@@ -194,10 +229,21 @@ def test_bad_calls_are_refused_naming_the_problem(spec: list[int], arrays: list[
         _call(spec, arrays)
 
 
+@pytest.mark.parametrize("counts,message", [
+    ([1, 1, 1, 1], "once per batch row"),  # two rows' parts for a batch of one
+    ([1], "once per batch row"),
+    ([1, 2], "spec must describe the counted parts"),
+])
+def test_bad_part_counts_are_refused(counts: list[int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _call([0, 0, 0, 0, 0] * 2, [mx.ones((1, 1, 4, 8))] * 2, counts)
+
+
 @pytest.mark.parametrize("method", ["kivi:bits=4,group_size=32", "turboquant", "affine:bits=4,group_size=32"])
 def test_the_plain_loop_gives_the_same_logits_fused(method: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    # The user's loop: a prompt, then one token at a time, no state evaluation.
+    # The user's loop: a prompt, a second chunk, then one token at a time, no state
+    # evaluation.
     from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
     from veloxquant_mlx.testing.tiny import tiny_model
 
@@ -208,14 +254,16 @@ def test_the_plain_loop_gives_the_same_logits_fused(method: str,
     def run() -> list[mx.array]:
         caches = KVCacheBuilder.for_model(model, KVCacheConfig.from_string(method))
         mx.eval(model(tokens[:, :260], cache=caches))
-        out = []
-        for i in range(260, 300):
+        out = [model(tokens[:, 260:270], cache=caches)]  # a next turn's chunk over codes
+        for i in range(270, 300):
             out.append(model(tokens[:, i:i + 1], cache=caches))
             mx.eval(out[-1])
         return out
 
     fused = run()
-    assert len(calls) == 40 * len(model.layers)
+    # The chunk and the 30 steps, and the prompt too where its own tokens are already
+    # codes when it attends (affine keeps no float window).
+    assert len(calls) in (31 * len(model.layers), 32 * len(model.layers))
     monkeypatch.setenv(native.ENV, "0")
     plain = run()
     assert max(_close(a, b) for a, b in zip(fused, plain)) < 1e-4
@@ -233,20 +281,21 @@ def test_a_long_store_split_across_threads_gives_mlx_results(
     assert _close(fused, plain) < 2e-5
 
 
+@pytest.mark.parametrize("lengths", [(230, 170, 300), (230, 60, 300)])
 @pytest.mark.parametrize("method", ["kivi:bits=4,group_size=32", "turboquant"])
-def test_a_batch_attends_each_row_in_the_fused_kernel(method: str,
+def test_a_batch_attends_each_row_in_the_fused_kernel(method: str, lengths: tuple[int, ...],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # A server's decode step: rows of different lengths, no padded layout or mask; the
     # same logits as each row alone (and as MLX's padded batch: test_batch_attention).
     from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
     from veloxquant_mlx.cache.batch import BatchedCache
+    from veloxquant_mlx.ops import streams
     from veloxquant_mlx.testing.tiny import tiny_model
 
     model = tiny_model("llama", seed=3)
     config = KVCacheConfig.from_string(method)
-    # Past the float window (128 tokens), so every row holds codes; a row still all in
-    # its window would take MLX's ops for its own attention.
-    prompts = [mx.random.randint(0, 128, (1, n), key=mx.random.key(n)) for n in (230, 170, 300)]
+    # 60 tokens: a row still all in KIVI's float window (128 tokens) rides in the same op.
+    prompts = [mx.random.randint(0, 128, (1, n), key=mx.random.key(n)) for n in lengths]
 
     def rows() -> list[list]:
         out = []
@@ -260,5 +309,6 @@ def test_a_batch_attends_each_row_in_the_fused_kernel(method: str,
     calls = _counted(monkeypatch)
     layers = [BatchedCache.merge(list(col)) for col in zip(*rows())]
     batched = model(mx.array([[5]] * len(prompts)), cache=layers)[:, -1]
-    assert len(calls) == len(prompts) * len(model.layers)
+    # One op per layer and group of rows (each group on a CPU stream of its own).
+    assert len(calls) == len(streams.spread(len(prompts))) * len(model.layers)
     assert max(_close(b, a) for b, a in zip(batched, alone)) < 1e-4

@@ -41,6 +41,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from veloxquant_mlx.cache.base import CompressedCache, NotTrimmableError
+from veloxquant_mlx.cache.batch import in_cycles
 from veloxquant_mlx.config import KVCacheConfig
 
 DEFAULT_ENTRIES = 10  # mlx_lm.server's --prompt-cache-size default
@@ -180,6 +181,7 @@ class CompressedPromptCache(LRUPromptCache):
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
                      cache_type: str = "assistant") -> None:
         tokens = list(tokens)
+        cycles = in_cycles(prompt_cache)
         try:
             if self.entry_limit > 0 and tokens and _holds(prompt_cache, len(tokens)):
                 ticket = self._owner(prompt_cache)
@@ -192,7 +194,8 @@ class CompressedPromptCache(LRUPromptCache):
             # objects now (cross-layer caches sit in reference cycles), as before reuse.
             prompt_cache.clear()
             self._free_dropped()
-            gc.collect()
+            if cycles:
+                gc.collect()
             mx.clear_cache()
             if self.limits is not None:
                 self.limits.sample_real()
@@ -251,7 +254,7 @@ class CompressedPromptCache(LRUPromptCache):
     def _free_dropped(self) -> None:
         with self.lock:
             dropped, self._dropped = self._dropped, []
-        if dropped:
+        if any(in_cycles(d) for d in dropped):
             del dropped
             gc.collect()  # cross-layer caches sit in reference cycles
 

@@ -37,7 +37,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
 from veloxquant_mlx.apps.server_limits import ServerLimits, Ticket
-from veloxquant_mlx.cache.batch import BatchedCache
+from veloxquant_mlx.cache.batch import BatchedCache, in_cycles
 
 MIN_ROW_CHUNK = 32
 SAMPLE_EVERY = 8  # decode steps between two readings of real memory
@@ -90,13 +90,17 @@ class ServerBatchGenerator(BatchGenerator):
         return uids
 
     def remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict:
+        cycles = in_cycles([*(self._prompt_batch.prompt_cache or []),
+                            *(self._generation_batch.prompt_cache or []),
+                            *(c for seq in self._unprocessed_sequences for c in seq[3] or [])])
         out = super().remove(uids, return_prompt_caches)
         for uid in uids:
             ticket = self._tickets.pop(uid, None)
             if ticket is not None:
                 ticket.stop_progress = (ticket.prompt_done, ticket.generated)
         # Cross-layer caches sit in reference cycles: free them now, not at some later GC.
-        gc.collect()
+        if cycles:
+            gc.collect()
         mx.clear_cache()
         if self.limits is not None:
             self.limits.sample_real()

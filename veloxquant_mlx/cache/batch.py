@@ -31,8 +31,21 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from veloxquant_mlx.cache import finite
-from veloxquant_mlx.ops import streams
+from veloxquant_mlx.ops import native, streams
 from veloxquant_mlx.ops.attention import sdpa
+from veloxquant_mlx.ops.parts import DensePart
+
+
+def in_cycles(caches: Any) -> bool:
+    """Whether any of these layer caches (a batch's rows included) may sit in reference
+    cycles, so that only ``gc.collect()`` frees them: cross-layer methods share state
+    between layers. Other caches go with their last reference, and a collection (tens of
+    milliseconds with a model loaded) is not worth running for them."""
+    for c in caches:
+        rows = c.caches if isinstance(c, BatchedCache) else [c]
+        if any(getattr(r, "cross_layer", False) for r in rows):
+            return True
+    return False
 
 
 def _alike(a: Any, b: Any) -> bool:
@@ -134,10 +147,15 @@ class BatchedCache(_BaseCache):
         if (queries.shape[2] != 1 or any(r != 1 for r in self._real[start:stop])
                 or any(type(c) is not type(first) for c in rows)):
             return None
-        # Rows returning dense keys and values attend one by one: padding them side by
-        # side copies every row's whole cache at every step (8 rows of 700 tokens: 236 ms
-        # a step against 196 ms row by row, medians of 30 in alternating order).
-        if any(d is not None for d in self._dense[start:stop]):
+        # Rows returning dense keys and values attend in one op of the fused CPU kernel,
+        # else one by one: padding them side by side copies every row's whole cache at
+        # every step (8 rows of 700 tokens: 236 ms a step against 196 ms row by row,
+        # medians of 30 in alternating order).
+        dense = self._dense[start:stop]
+        if all(d is not None for d in dense):
+            return native.attend_rows(queries[start:stop], scale,
+                                      [([DensePart(k)], [DensePart(v)]) for k, v in dense])
+        if any(d is not None for d in dense):
             return None
         return type(first).attend_rows(rows, queries[start:stop], scale)
 

@@ -104,8 +104,11 @@ class StoredFormCache(CompressedCache):
         return (out if rv is None else out @ rv.T).astype(dtype)
 
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
-        keys, values = self.attention_slots()
         qr = self._turn_in(queries)
+        out = _fused_rows([self], qr, scale, mask)
+        if out is not None:
+            return self._turn_out(out, queries.dtype)
+        keys, values = self.attention_slots()
         out = attend_parts(qr, _parts(keys, qr), _parts(values, qr), scale, mask)
         self.commit()  # the new tokens were attended in full precision: code them now
         return self._turn_out(out, queries.dtype)
@@ -169,22 +172,18 @@ class StoredFormCache(CompressedCache):
         self.offset -= n
 
 
-def _fused_rows(rows: list[Any], queries: mx.array, scale: float) -> mx.array | None:
-    """Each row's attention over its own parts with the fused CPU kernel (``ops.native``;
-    a row still all in its float window takes MLX's ops), rows joined: no padded layout
-    and no mask to build. None unless the kernel reads every row's parts."""
-    if not native.usable(queries.dtype):  # GPU backends, float16: the padded layout
-        return None
-    parts = []
-    for i, r in enumerate(rows):
-        keys, values = r.attention_slots()
-        q = queries[i:i + 1]
-        parts.append((q, _parts(keys, q), _parts(values, q)))
-    if not all(native.reads(q.dtype, k, v) for q, k, v in parts):
-        return None
-    out = mx.concatenate([attend_parts(q, k, v, scale) for q, k, v in parts], axis=0)
-    for r in rows:
-        r.commit()
+def _fused_rows(rows: list[Any], queries: mx.array, scale: float, mask: Any = None
+                ) -> mx.array | None:
+    """Each row's queries over its own slots, in one op of the fused CPU kernel
+    (``ops.native``): no padded layout, no mask array, no blocks (the kernel makes no
+    float copy of a store). None unless the kernel reads every row's slots."""
+    if not native.usable(queries.dtype) or native.chunk_mask(mask, queries.shape[2]) is None:
+        return None  # GPU backends, float16, mask arrays: MLX's ops
+    parts = [tuple(slot_parts(s) for s in r.attention_slots()) for r in rows]
+    out = native.attend_rows(queries, scale, parts, mask)
+    if out is not None:
+        for r in rows:
+            r.commit()
     return out
 
 
