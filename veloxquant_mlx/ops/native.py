@@ -93,13 +93,6 @@ def usable(dtype: mx.Dtype) -> bool:
     return available() and dtype == mx.float32 and not on_gpu()
 
 
-def reads(dtype: mx.Dtype, keys: Sequence[Any], values: Sequence[Any]) -> bool:
-    """Whether every part's stored form is one the kernel reads, for queries of
-    ``dtype`` on this backend (:func:`decode` still leaves dense-only parts to MLX)."""
-    return (usable(dtype) and _described(keys) is not None
-            and _described(values) is not None)
-
-
 def _plan(keys: Sequence[Any], values: Sequence[Any]
           ) -> tuple[list[int], list[mx.array], list[int]] | None:
     """Spec, arrays and part counts of one sequence's parts; None where the kernel reads
@@ -115,7 +108,9 @@ def _run(q: mx.array, plans: list[tuple[list[int], list[mx.array], list[int]]],
     spec = [i for p in plans for i in p[0]]
     arrays = [a for p in plans for a in p[1]]
     counts = [c for p in plans for c in p[2]]
-    long = q.shape[0] * q.shape[1] > 1 and n_keys * q.shape[2] >= THREADED_KEYS
+    # A decode step's few rows per head count as one; a chunk's rows each score every key.
+    work = n_keys * (q.shape[2] if causal else 1)
+    long = q.shape[0] * q.shape[1] > 1 and work >= THREADED_KEYS
     return _native.decode_attention(q, arrays, spec, counts, THREADS if long else 1, causal)
 
 
@@ -153,9 +148,11 @@ def decode_rows(q: mx.array, rows: Sequence[tuple[Sequence[Any], Sequence[Any]]]
 def chunk_mask(mask: Any, n_queries: int) -> int | None:
     """mlx_lm's ``mask`` for a chunk of ``n_queries`` as :func:`decode`'s ``causal``;
     None for a mask the kernel does not apply (arrays: padded batches)."""
-    if mask is None or (mask == "causal" and n_queries == 1):
+    if mask is None:
         return 0
-    return n_queries if isinstance(mask, str) and mask == "causal" else None
+    if isinstance(mask, str) and mask == "causal":
+        return 0 if n_queries == 1 else n_queries
+    return None
 
 
 def attend_rows(queries: mx.array, scale: float,
