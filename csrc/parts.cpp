@@ -17,9 +17,16 @@
 // Codes of 1, 2, 4 and 8 bits are packed from the low bits up (MLX's layout, read on a
 // little-endian CPU). A level is the code itself, or table[code] for codebook parts.
 // Vector lanes run over tokens, so no kernel reduces across a vector per token.
+//
+// Factor-space attention (low-rank caches: x = a B + m with a token factor a of width r)
+// places parts in the rows: a key part reads dims [qoff, qoff + D) of each query row (the
+// query projected by the cache, q B^T) and may add a per-row shift to its scores (q . m);
+// a value part adds its product p @ a into output dims [ooff, ooff + D) and may write its
+// probability mass after them (the cache applies B and m after the op).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -49,7 +56,9 @@ typedef uint32_t vu __attribute__((vector_size(4 * L)));
 typedef int32_t vi __attribute__((vector_size(4 * L)));
 
 enum Kind : int { kDense = 0, kToken = 1, kChannel = 2 };
-constexpr int kSpecInts = 5;  // kind, bits, group, has biases, has a table
+// kind, bits, group, has biases, has a table, query offset, output offset, extras
+constexpr int kSpecInts = 8;
+enum Extra : int { kShift = 1, kMass = 2 };
 
 // An input's base pointer with byte strides over its four axes.
 struct View {
@@ -118,8 +127,9 @@ std::vector<float> load_matrix(const View& v, int64_t b, int64_t h, int64_t rows
 struct Part {
   int kind, bits, group;
   bool has_bias, has_table;
+  int qoff = 0, ooff = 0, extras = 0;
   int64_t n = 0, D = 0;
-  View a, s, z;  // dense values or codes; scales; biases
+  View a, s, z, shift;  // dense values or codes; scales; biases; score shift [B, H, R, 1]
   vf table = {};
 };
 
@@ -148,32 +158,40 @@ inline vf levels(vu word, int k, const vf& table) {
   }
 }
 
-// Word w of the code rows of tokens t..t+L (rows past the last token repeat it).
-inline vu gather_words(const uint8_t* base, int64_t row, int64_t t, int64_t count, int64_t w) {
-#if defined(__AVX512F__)
-  if (count == L && row * (t + L) < (int64_t{1} << 31)) {  // one gather instruction
-    const __m512i lane = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(static_cast<int>(row)));
-    const __m512i words = _mm512_i32gather_epi32(lane, base + t * row + 4 * w, 1);
-    return reinterpret_cast<const vu&>(words);
-  }
-#endif
-  vu out;
+// f(first dim, its group, levels of the word's dims) for every word of the code rows of
+// tokens t..t+L of a token part (a group holds whole words: checked when the op is built).
+// The words are transposed through a tile read row by row: on this AMD EPYC a gather of
+// rows 4 * D / per bytes apart took about a third of the whole op.
+template <int BITS, bool TABLE, class F>
+inline void for_each_word(const Part& pt, const uint8_t* base, int64_t t, int64_t count, F&& f) {
+  constexpr int per = 32 / BITS;
+  const int64_t words_per_group = pt.group / per, words = pt.D / per;
+  thread_local std::vector<vu> tile;
+  tile.resize(words);
   for (int j = 0; j < L; ++j) {
-    uint32_t u;
-    std::memcpy(&u, base + (t + std::min<int64_t>(j, count - 1)) * row + 4 * w, 4);
-    out[j] = u;
+    const uint8_t* row = base + (t + std::min<int64_t>(j, count - 1)) * pt.a.stride[2];
+    for (int64_t w = 0; w < words; ++w) {
+      uint32_t u;
+      std::memcpy(&u, row + 4 * w, 4);
+      tile[w][j] = u;
+    }
   }
-  return out;
+  for (int64_t w = 0; w < words; ++w) {
+    const vu word = tile[w];
+    vf lv[per];
+    for (int k = 0; k < per; ++k) lv[k] = levels<BITS, TABLE>(word, k, pt.table);
+    f(w * per, w / words_per_group, lv);
+  }
 }
 
-// f(d, levels of dim d) for every dim of the code rows of tokens t..t+L of a token part.
-template <int BITS, bool TABLE, class F>
-inline void for_each_dim(const Part& pt, const uint8_t* base, int64_t t, int64_t count, F&& f) {
-  constexpr int per = 32 / BITS;
-  for (int64_t w = 0; w < pt.D / per; ++w) {
-    const vu word = gather_words(base, pt.a.stride[2], t, count, w);
-    for (int k = 0; k < per; ++k) f(w * per + k, levels<BITS, TABLE>(word, k, pt.table));
+// sum_k q[k] * x[k] as a tree: an accumulator updated once per dim made each multiply
+// wait for the previous one (a chain through memory, about ten cycles a dim).
+template <int N>
+inline vf dot(const float* q, const vf* x) {
+  if constexpr (N == 1) {
+    return q[0] * x[0];
+  } else {
+    return dot<N / 2>(q, x) + dot<N - N / 2>(q + N / 2, x + N / 2);
   }
 }
 
@@ -204,8 +222,8 @@ void token_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R,
   for (int64_t t = 0; t < n; t += L) {
     const int64_t count = std::min<int64_t>(L, n - t);
     std::fill(acc.begin(), acc.end(), vf{});
-    for_each_dim<BITS, TABLE>(pt, base, t, count, [&](int64_t d, const vf& lv) {
-      for (int64_t r = 0; r < R; ++r) acc[r * G + d / gs] += q[r * D + d] * lv;
+    for_each_word<BITS, TABLE>(pt, base, t, count, [&](int64_t d, int64_t g, const vf* lv) {
+      for (int64_t r = 0; r < R; ++r) acc[r * G + g] += dot<32 / BITS>(q + r * D + d, lv);
     });
     for (int64_t r = 0; r < R; ++r) {
       vf score = {};
@@ -234,8 +252,9 @@ void token_values(const Part& pt, int64_t b, int64_t h, const float* p, int64_t 
         pz[r * G + g] += pr * lanes(z.data() + g, G, t, count);
       }
     }
-    for_each_dim<BITS, TABLE>(pt, base, t, count, [&](int64_t d, const vf& lv) {
-      for (int64_t r = 0; r < R; ++r) acc[r * D + d] += ps[r * G + d / gs] * lv;
+    for_each_word<BITS, TABLE>(pt, base, t, count, [&](int64_t d, int64_t g, const vf* lv) {
+      for (int k = 0; k < 32 / BITS; ++k)
+        for (int64_t r = 0; r < R; ++r) acc[r * D + d + k] += ps[r * G + g] * lv[k];
     });
   }
   for (int64_t r = 0; r < R; ++r)
@@ -370,7 +389,10 @@ void dense_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R,
       for (int64_t d = 0; d < D; ++d) tile[d][j] = row[d];
     }
     std::fill(acc.begin(), acc.end(), vf{});
-    for (int64_t d = 0; d < D; ++d)
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8)
+      for (int64_t r = 0; r < R; ++r) acc[r] += dot<8>(q + r * D + d, tile.data() + d);
+    for (; d < D; ++d)
       for (int64_t r = 0; r < R; ++r) acc[r] += q[r * D + d] * tile[d];
     for (int64_t r = 0; r < R; ++r)
       for (int j = 0; j < count; ++j) out[r * ld + t + j] = acc[r][j];
@@ -481,6 +503,42 @@ std::vector<float> exp_rows(float* sc, int64_t R, int64_t S) {
   return den;
 }
 
+// Scores of a key part placed at dims [qoff, qoff + D) of the query rows (stride Dq),
+// plus its per-row shift; `pre`: the head's rows of scores computed for every head at once.
+void placed_keys(const Part& pt, int64_t b, int64_t h, const std::vector<float>& q, int64_t Dq,
+                 int64_t R, float* out, int64_t ld, const float* pre) {
+  if (pre != nullptr) {
+    for (int64_t r = 0; r < R; ++r) std::copy_n(pre + (h * R + r) * pt.n, pt.n, out + r * ld);
+  } else if (pt.qoff == 0 && pt.D == Dq) {
+    keys_into(pt, b, h, q.data(), R, out, ld);
+  } else {
+    std::vector<float> own(R * pt.D);
+    for (int64_t r = 0; r < R; ++r)
+      std::copy_n(q.data() + r * Dq + pt.qoff, pt.D, own.data() + r * pt.D);
+    keys_into(pt, b, h, own.data(), R, out, ld);
+  }
+  if (!(pt.extras & kShift)) return;
+  std::vector<float> shift(R);
+  load(pt.shift, pt.shift.at(b, h), pt.shift.stride[2], R, shift.data());
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t t = 0; t < pt.n; ++t) out[r * ld + t] += shift[r];
+}
+
+// p @ V of a value part added into output dims [ooff, ooff + D) of acc (stride Dout), and
+// its probability mass into dim ooff + D.
+void placed_values(const Part& pt, int64_t b, int64_t h, const float* p, int64_t ld, int64_t R,
+                   float* acc, int64_t Dout) {
+  if (pt.ooff == 0 && pt.D == Dout && !(pt.extras & kMass))
+    return values_into(pt, b, h, p, ld, R, acc);
+  std::vector<float> own(R * pt.D, 0.f);
+  values_into(pt, b, h, p, ld, R, own.data());
+  for (int64_t r = 0; r < R; ++r) {
+    float* o = acc + r * Dout + pt.ooff;
+    for (int64_t d = 0; d < pt.D; ++d) o[d] += own[r * pt.D + d];
+    if (pt.extras & kMass) o[pt.D] += std::accumulate(p + r * ld, p + r * ld + pt.n, 0.f);
+  }
+}
+
 // One sequence's parts: every query row's own (a batch of conversations), or one set whose
 // arrays have the queries' batch axis.
 struct Parts {
@@ -504,28 +562,86 @@ void mask_causal(float* sc, int64_t R, int64_t S, int64_t C) {
   }
 }
 
-void attend_head(const Plan& pl, int64_t b, int64_t h, float* out) {
+// Scores of batch row b's key parts shared by the KV heads, for every head's rows: [b][part]
+// -> [H * R, n] (empty for parts of each head's own).
+using Shared = std::vector<std::vector<std::vector<float>>>;
+
+// Whether a key part is one view shared by the KV heads (a low-rank token factor): its
+// codes are then unpacked once for every head's rows, not once per head.
+bool shared_by_heads(const Plan& pl, const Part& pt) {
+  return pl.H > 1 && pt.kind != kChannel && pt.a.stride[1] == 0 && pt.s.stride[1] == 0 &&
+         pt.z.stride[1] == 0;
+}
+
+// Tokens t0..t1 of a token or dense part.
+Part tokens(Part pt, int64_t t0, int64_t t1) {
+  pt.a.data += t0 * pt.a.stride[2];
+  if (pt.s.data != nullptr) pt.s.data += t0 * pt.s.stride[2];
+  if (pt.z.data != nullptr) pt.z.data += t0 * pt.z.stride[2];
+  pt.n = t1 - t0;
+  return pt;
+}
+
+std::vector<float> scores_for_all_heads(const Plan& pl, int64_t b, int64_t pb, const Part& pt,
+                                        int threads) {
+  const int64_t R = pl.R, HR = pl.H * R;
+  std::vector<float> q(HR * pt.D), sc(HR * pt.n);
+  for (int64_t h = 0; h < pl.H; ++h) {
+    const auto qh = load_matrix(pl.q, b, h, R, pl.D);
+    for (int64_t r = 0; r < R; ++r)
+      std::copy_n(qh.data() + r * pl.D + pt.qoff, pt.D, q.data() + (h * R + r) * pt.D);
+  }
+  const int64_t step = (pt.n + threads * L - 1) / (threads * L) * L;  // whole lane blocks
+  auto work = [&](int w) {
+    const int64_t t0 = w * step, t1 = std::min(pt.n, t0 + step);
+    if (t0 < t1) keys_into(tokens(pt, t0, t1), pb, 0, q.data(), HR, sc.data() + t0, pt.n);
+  };
+  std::vector<std::thread> pool;
+  for (int w = 1; w < threads; ++w) pool.emplace_back(work, w);
+  work(0);
+  for (auto& t : pool) t.join();
+  return sc;
+}
+
+Shared shared_scores(const Plan& pl, int threads) {
+  const bool own = pl.rows.size() > 1;
+  Shared out(pl.B);
+  for (int64_t b = 0; b < pl.B; ++b)
+    for (const auto& pt : pl.rows[own ? b : 0].keys)
+      out[b].push_back(shared_by_heads(pl, pt)
+                           ? scores_for_all_heads(pl, b, own ? 0 : b, pt, threads)
+                           : std::vector<float>());
+  return out;
+}
+
+void attend_head(const Plan& pl, const Shared& shared, int64_t b, int64_t h, float* out) {
   const bool own = pl.rows.size() > 1;
   const Parts& ps = pl.rows[own ? b : 0];
   const int64_t R = pl.R, S = ps.S, pb = own ? 0 : b;
   const auto q = load_matrix(pl.q, b, h, R, pl.D);
   std::vector<float> sc(R * S), acc(R * pl.Dv, 0.f);
   int64_t off = 0;
-  for (const auto& pt : ps.keys) keys_into(pt, pb, h, q.data(), R, sc.data() + off, S), off += pt.n;
+  for (size_t i = 0; i < ps.keys.size(); ++i) {
+    const auto& pt = ps.keys[i];
+    const auto& pre = shared[b][i];
+    placed_keys(pt, pb, h, q, pl.D, R, sc.data() + off, S, pre.empty() ? nullptr : pre.data());
+    off += pt.n;
+  }
   if (pl.causal > 0) mask_causal(sc.data(), R, S, pl.causal);
   const auto den = exp_rows(sc.data(), R, S);
   off = 0;
   for (const auto& pt : ps.values)
-    values_into(pt, pb, h, sc.data() + off, S, R, acc.data()), off += pt.n;
+    placed_values(pt, pb, h, sc.data() + off, S, R, acc.data(), pl.Dv), off += pt.n;
   for (int64_t r = 0; r < R; ++r)
     for (int64_t d = 0; d < pl.Dv; ++d) out[r * pl.Dv + d] = acc[r * pl.Dv + d] / den[r];
 }
 
 void run(const Plan& pl, float* out, int threads) {
   const int64_t heads = pl.B * pl.H;
+  const Shared shared = shared_scores(pl, threads);
   auto work = [&](int w) {
     for (int64_t i = w; i < heads; i += threads)
-      attend_head(pl, i / pl.H, i % pl.H, out + i * pl.R * pl.Dv);
+      attend_head(pl, shared, i / pl.H, i % pl.H, out + i * pl.R * pl.Dv);
   };
   std::vector<std::thread> pool;
   for (int w = 1; w < threads && w < heads; ++w) pool.emplace_back(work, w);
@@ -539,11 +655,12 @@ std::vector<Part> bind_parts(const std::vector<int>& spec, size_t first, size_t 
   std::vector<Part> parts;
   for (size_t i = first; i < first + count; ++i) {
     const int* sp = spec.data() + kSpecInts * i;
-    Part pt{sp[0], sp[1], sp[2], sp[3] != 0, sp[4] != 0};
+    Part pt{sp[0], sp[1], sp[2], sp[3] != 0, sp[4] != 0, sp[5], sp[6], sp[7]};
     const auto& a = in[next++];
     pt.a = view_of(a);
     if (pt.kind == kDense) {
       pt.n = a.shape(2), pt.D = a.shape(3);
+      if (pt.extras & kShift) pt.shift = view_of(in[next++]);
     } else {
       pt.s = view_of(in[next++]);
       if (pt.has_bias) pt.z = view_of(in[next++]);
@@ -556,6 +673,7 @@ std::vector<Part> bind_parts(const std::vector<int>& spec, size_t first, size_t 
       pt.D = pt.kind == kToken ? width : a.shape(2);
       if (a.strides()[3] != 1)
         throw std::invalid_argument("veloxquant native: codes must be contiguous along their last axis");
+      if (pt.extras & kShift) pt.shift = view_of(in[next++]);
     }
     parts.push_back(pt);
   }
@@ -617,8 +735,8 @@ void check(bool ok, const std::string& what) {
 
 bool is_float(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
 
-// Checks one part's arrays (from inputs[next]); returns its token count and head dim.
-std::pair<int64_t, int64_t> check_part(const int* sp, const std::vector<mx::array>& in,
+// Checks one part's stored arrays (from inputs[next]); returns its token count and head dim.
+std::pair<int64_t, int64_t> check_stored(const int* sp, const std::vector<mx::array>& in,
                                        size_t& next, int64_t B, int64_t H) {
   const int kind = sp[0], bits = sp[1], group = sp[2];
   check(kind >= kDense && kind <= kChannel, "kind must be 0 (dense), 1 (token) or 2 (channel)");
@@ -649,6 +767,7 @@ std::pair<int64_t, int64_t> check_part(const int* sp, const std::vector<mx::arra
     check(group > 0 && width % group == 0 && s.shape(2) == a.shape(2) &&
               s.shape(3) == width / group,
           "token scales must be [B, H, n, D / group]");
+    check(group % (32 / bits) == 0, "a token group must hold whole 32-bit words of codes");
     return {a.shape(2), width};
   }
   check(sp[3] && !sp[4], "channel parts have biases and no table");
@@ -657,28 +776,59 @@ std::pair<int64_t, int64_t> check_part(const int* sp, const std::vector<mx::arra
   return {width, a.shape(2)};
 }
 
-// One sequence's parts from inputs[next] on: checks them, returns their value head dim and
-// token count.
+// Checks one part (its stored arrays, then its shift) and its placement; returns its token
+// count and head dim.
+std::pair<int64_t, int64_t> check_part(const int* sp, bool is_key, const std::vector<mx::array>& in,
+                                       size_t& next, int64_t B, int64_t H, int64_t R) {
+  const auto got = check_stored(sp, in, next, B, H);
+  const int qoff = sp[5], ooff = sp[6], extras = sp[7];
+  check(qoff >= 0 && ooff >= 0 && extras >= 0 && extras <= (kShift | kMass),
+        "offsets must be >= 0 and extras 0-3 (1: score shift, 2: probability mass)");
+  check(is_key || (qoff == 0 && !(extras & kShift)), "a value part has no query offset or shift");
+  check(!is_key || (ooff == 0 && !(extras & kMass)), "a key part has no output offset or mass");
+  if (extras & kShift) {
+    check(next < in.size(), "fewer arrays than the parts need");
+    const auto& s = in[next++];
+    check(s.dtype() == mx::float32 && s.ndim() == 4 && s.shape(0) == B && s.shape(1) == H &&
+              s.shape(2) == R && s.shape(3) == 1,
+          "a score shift must be float32 [B, H, rows, 1]");
+  }
+  return got;
+}
+
+// One sequence's parts from inputs[next] on: checks them, returns their output width and
+// token count. Value parts at output offset 0 without a mass share one head dim; others
+// extend the output past it.
 std::pair<int64_t, int64_t> check_parts(const std::vector<int>& spec, int first, int n_keys, int n_values,
                     const std::vector<mx::array>& in, size_t& next, int64_t B, int64_t H,
-                    int64_t D) {
+                    int64_t D, int64_t R) {
   check(n_keys >= 1 && n_values >= 1, "need at least one key part and one value part");
   check(static_cast<size_t>(first + n_keys + n_values) * kSpecInts <= spec.size(),
         "spec must describe the counted parts");
-  int64_t S_keys = 0, S_values = 0, Dv = -1;
+  int64_t S_keys = 0, S_values = 0, Dk = -1, Dv = -1, Dout = 0;
+  bool placed = false;
   for (int i = first; i < first + n_keys + n_values; ++i) {
-    auto [n, d] = check_part(spec.data() + kSpecInts * i, in, next, B, H);
-    if (i < first + n_keys) {
-      check(d == D, "key parts must have the queries' head dim");
-      S_keys += n;
-    } else {
-      check(spec[kSpecInts * i] != kChannel, "channel parts hold keys only");
-      check(Dv < 0 || Dv == d, "value parts must share one head dim");
-      Dv = d, S_values += n;
+    const int* sp = spec.data() + kSpecInts * i;
+    const bool is_key = i < first + n_keys;
+    auto [n, d] = check_part(sp, is_key, in, next, B, H, R);
+    if (is_key) {
+      check(sp[5] + d <= D, "key parts must fit in the query rows at their offset");
+      check(sp[5] > 0 || Dk < 0 || Dk == d, "key parts at offset 0 must share one head dim");
+      if (sp[5] == 0) Dk = d;
+      placed |= sp[5] > 0, S_keys += n;
+      continue;
     }
+    check(sp[0] != kChannel, "channel parts hold keys only");
+    if (sp[6] == 0 && !(sp[7] & kMass)) {
+      check(Dv < 0 || Dv == d, "value parts must share one head dim");
+      Dv = d;
+    }
+    Dout = std::max<int64_t>(Dout, sp[6] + d + ((sp[7] & kMass) ? 1 : 0));
+    S_values += n;
   }
+  check(placed || Dk == D, "key parts must have the queries' head dim");
   check(S_keys == S_values && S_keys > 0, "key and value parts must cover the same tokens");
-  return {Dv, S_keys};
+  return {std::max(Dv, Dout), S_keys};
 }
 
 // counts: (key parts, value parts) of one set shared by the batch, or of each batch row's
@@ -687,7 +837,7 @@ mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& arr
                            const std::vector<int>& spec, const std::vector<int>& counts,
                            int threads, int causal) {
   check(q.ndim() == 4 && q.dtype() == mx::float32, "queries must be [B, H, rows, D] float32");
-  check(spec.size() % kSpecInts == 0, "spec must hold 5 ints per part");
+  check(spec.size() % kSpecInts == 0, "spec must hold 8 ints per part");
   const int64_t B = q.shape(0), H = q.shape(1), plans = counts.size() / 2;
   check(counts.size() % 2 == 0 && (plans == 1 || plans == B),
         "counts must be (key parts, value parts) once, or once per batch row");
@@ -701,8 +851,8 @@ mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& arr
   int64_t Dv = -1;
   for (int64_t i = 0; i < plans; ++i) {
     const auto [d, S] = check_parts(spec, first, counts[2 * i], counts[2 * i + 1], inputs, next,
-                                    plans == 1 ? B : 1, H, q.shape(3));
-    check(Dv < 0 || Dv == d, "every row's value parts must share one head dim");
+                                    plans == 1 ? B : 1, H, q.shape(3), q.shape(2));
+    check(Dv < 0 || Dv == d, "every row's value parts must give one output width");
     check(causal <= S, "a causal chunk cannot hold more tokens than the keys");
     Dv = d, first += counts[2 * i] + counts[2 * i + 1];
   }

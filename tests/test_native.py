@@ -206,22 +206,39 @@ def test_no_float_copy_of_the_store_is_allocated() -> None:
 
 
 def _call(spec: list[int], arrays: list[mx.array], counts: list[int] | None = None) -> None:
-    counts = counts or [1, len(spec) // 5 - 1]
+    counts = counts or [1, len(spec) // native.SPEC_INTS - 1]
     mx.eval(native._native.decode_attention(mx.ones((1, 1, 1, 8)), arrays, spec, counts))
 
 
+NO_PLACE = [0, 0, 0]  # query offset, output offset, extras
+
+
 @pytest.mark.parametrize("spec,arrays,message", [
-    ([0, 0, 0, 0, 0], [mx.ones((1, 1, 4, 8))], "at least one key part and one value part"),
-    ([0, 0, 0, 0, 0, 0, 0, 0, 0, 0], [mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 5, 8))],
+    ([0, 0, 0, 0, 0, *NO_PLACE], [mx.ones((1, 1, 4, 8))],
+     "at least one key part and one value part"),
+    ([0, 0, 0, 0, 0, *NO_PLACE] * 2, [mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 5, 8))],
      "same tokens"),
-    ([1, 3, 8, 0, 0, 0, 0, 0, 0, 0], [mx.zeros((1, 1, 4, 1), mx.uint32), mx.ones((1, 1, 4, 1)),
-                                      mx.ones((1, 1, 4, 8))], "bits must be 1, 2, 4 or 8"),
-    ([1, 4, 8, 0, 0, 0, 0, 0, 0, 0], [mx.ones((1, 1, 4, 1)), mx.ones((1, 1, 4, 1)),
-                                      mx.ones((1, 1, 4, 8))], "codes must be unsigned"),
-    ([0, 0, 0, 0, 0, 2, 4, 8, 1, 0], [mx.ones((1, 1, 8, 8)), mx.zeros((1, 1, 8, 1), mx.uint32),
-                                      mx.ones((1, 1, 8, 1)), mx.ones((1, 1, 8, 1))],
-     "channel parts hold keys only"),
-    ([0, 0, 0, 0, 0, 0, 0, 0, 0, 0], [mx.ones((1, 1, 4, 8))], "fewer arrays"),
+    ([1, 3, 8, 0, 0, *NO_PLACE, 0, 0, 0, 0, 0, *NO_PLACE],
+     [mx.zeros((1, 1, 4, 1), mx.uint32), mx.ones((1, 1, 4, 1)), mx.ones((1, 1, 4, 8))],
+     "bits must be 1, 2, 4 or 8"),
+    ([1, 4, 8, 0, 0, *NO_PLACE, 0, 0, 0, 0, 0, *NO_PLACE],
+     [mx.ones((1, 1, 4, 1)), mx.ones((1, 1, 4, 1)), mx.ones((1, 1, 4, 8))],
+     "codes must be unsigned"),
+    ([0, 0, 0, 0, 0, *NO_PLACE, 2, 4, 8, 1, 0, *NO_PLACE],
+     [mx.ones((1, 1, 8, 8)), mx.zeros((1, 1, 8, 1), mx.uint32), mx.ones((1, 1, 8, 1)),
+      mx.ones((1, 1, 8, 1))], "channel parts hold keys only"),
+    ([0, 0, 0, 0, 0, *NO_PLACE] * 2, [mx.ones((1, 1, 4, 8))], "fewer arrays"),
+    # Placements: a value part read at a query offset, a key part with a mass, a shift of
+    # the wrong shape, a key part past the end of the query rows.
+    ([0, 0, 0, 0, 0, *NO_PLACE, 0, 0, 0, 0, 0, 4, 0, 0], [mx.ones((1, 1, 4, 8))] * 2,
+     "a value part has no query offset"),
+    ([0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, *NO_PLACE], [mx.ones((1, 1, 4, 8))] * 2,
+     "a key part has no output offset or mass"),
+    ([0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, *NO_PLACE],
+     [mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 2, 1)), mx.ones((1, 1, 4, 8))],
+     "a score shift must be float32"),
+    ([0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0, *NO_PLACE], [mx.ones((1, 1, 4, 8))] * 2,
+     "fit in the query rows"),
 ])
 def test_bad_calls_are_refused_naming_the_problem(spec: list[int], arrays: list[mx.array],
                                                   message: str) -> None:
@@ -236,10 +253,14 @@ def test_bad_calls_are_refused_naming_the_problem(spec: list[int], arrays: list[
 ])
 def test_bad_part_counts_are_refused(counts: list[int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        _call([0, 0, 0, 0, 0] * 2, [mx.ones((1, 1, 4, 8))] * 2, counts)
+        _call([0, 0, 0, 0, 0, *NO_PLACE] * 2, [mx.ones((1, 1, 4, 8))] * 2, counts)
 
 
-@pytest.mark.parametrize("method", ["kivi:bits=4,group_size=32", "turboquant", "affine:bits=4,group_size=32"])
+@pytest.mark.parametrize("method", [
+    "kivi:bits=4,group_size=32", "turboquant", "affine:bits=4,group_size=32",
+    # Factor space: values (and keys after RoPE) read as codes of the token factor.
+    "xkv:group_layers=2,block=64,rank_k=32,rank_v=32,factor_bits=4",
+    "xkv:group_layers=2,block=64,rank_k=30,rank_v=20,factor_bits=4,pre_rope=False,window=8"])
 def test_the_plain_loop_gives_the_same_logits_fused(method: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # The user's loop: a prompt, a second chunk, then one token at a time, no state
@@ -312,3 +333,50 @@ def test_a_batch_attends_each_row_in_the_fused_kernel(method: str, lengths: tupl
     # One op per layer and group of rows (each group on a CPU stream of its own).
     assert len(calls) == len(streams.spread(len(prompts))) * len(model.layers)
     assert max(_close(b, a) for b, a in zip(batched, alone)) < 1e-4
+
+
+def _factor(n: int, r: int, seed: int) -> q.Quantized:
+    """A token factor [B, 1, n, r] as xKV stores it, one view shared by the H heads."""
+    qt = q.quantize(mx.random.normal((B, 1, n, r), key=mx.random.key(seed)), 4, 32)
+    return q.Quantized(*(mx.broadcast_to(a, (B, H, *a.shape[2:])) for a in qt.arrays), 4, 32)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_factor_space_parts_give_the_dense_result(rows: int) -> None:
+    # Keys and values x = a B_h + m_h with a token factor a shared by the KV heads: the op
+    # scores q B_h^T at its query offset plus the shift q . m_h, and writes p a and the
+    # probability mass at its output offset; B_h and m_h applied after it give attention
+    # over the rebuilt keys and values.
+    n, r, w = 100, 64, 20
+    ak, av = _factor(n, r, 40), _factor(n, r, 41)
+    bk, bv = _normal(r, 42) / 8, _normal(r, 43) / 8  # [B, H, r, D] per head
+    mk, mv = _normal(1, 44), _normal(1, 45)
+    win_k, win_v = _normal(w, 46), _normal(w, 47)
+    qh = mx.random.normal((B, H, rows, D), key=mx.random.key(48)) * 0.125
+    keys = [native.Placed(token_codes(ak), qoff=D, shift=qh @ mk.swapaxes(-1, -2)),
+            DensePart(win_k)]
+    values = [native.Placed(token_codes(av), ooff=D, mass=True), DensePart(win_v)]
+    o = native.decode(mx.concatenate([qh, qh @ bk.swapaxes(-1, -2)], axis=-1), keys, values)
+    assert o is not None and o.shape == (B, H, rows, D + r + 1)
+    out = o[..., :D] + o[..., D:D + r] @ bv + o[..., D + r:] * mv
+    k = mx.concatenate([q.dequantize(ak, mx.float32) @ bk + mk, win_k], axis=2)
+    v = mx.concatenate([q.dequantize(av, mx.float32) @ bv + mv, win_v], axis=2)
+    want = mx.softmax(qh @ k.swapaxes(-1, -2), axis=-1) @ v
+    assert _close(out, want) < 2e-5
+    # Without the shift the scores differ visibly: the bound would catch a dropped one.
+    keys[0] = native.Placed(token_codes(ak), qoff=D)
+    o = native.decode(mx.concatenate([qh, qh @ bk.swapaxes(-1, -2)], axis=-1), keys, values)
+    assert _close(o[..., :D] + o[..., D:D + r] @ bv + o[..., D + r:] * mv, want) > 1e-3
+
+
+def test_a_part_shared_by_the_heads_gives_what_each_head_copy_gives() -> None:
+    # A view with head stride 0 is scored once for every head's rows (threads split its
+    # tokens); the same codes copied per head go through each head's own pass.
+    n = native.THREADED_KEYS + 40
+    shared = _factor(n, D, 50)
+    copied = q.Quantized(*(mx.repeat(a[:, :1], H, axis=1) for a in shared.arrays), 4, 32)
+    values = [token_codes(q.quantize(_normal(n, 51), 4, 32))]
+    qh = mx.random.normal((B, H, 3, D), key=mx.random.key(52))
+    one = native.decode(qh, [token_codes(shared)], values)
+    other = native.decode(qh, [token_codes(copied)], values)
+    assert _close(one, other) < 1e-6

@@ -47,9 +47,11 @@ from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, NotTrimmableEr
 from veloxquant_mlx.cache.numerics import WINDOW_ROUNDING, StoredNumerics, dense_loss
 from veloxquant_mlx.cache.xkv_coordinator import XKVCoordinator
 from veloxquant_mlx.ops import factors as fr
+from veloxquant_mlx.ops import native
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import masked_softmax
 from veloxquant_mlx.ops.buffers import owned
+from veloxquant_mlx.ops.parts import DensePart, token_codes
 from veloxquant_mlx.ops.rope import rotate, unrotate
 from veloxquant_mlx.options import MethodOptions, config_error
 from veloxquant_mlx.register import register
@@ -445,30 +447,55 @@ class XKVCache(CompressedCache):
             self._decoded[key] = fr.load_rows(self.shared[stream][j])
         return self._decoded[key]
 
+    def _spans(self) -> list[tuple[int, int, int]]:
+        """(basis index, first position, this member's compressed tokens) of each basis
+        with compressed tokens."""
+        out = []
+        for j, basis in enumerate(self.bases):
+            end = self.bases[j + 1].start if j + 1 < len(self.bases) else self.win_start
+            if end > basis.start:
+                out.append((j, basis.start, end - basis.start))
+        return out
+
+    def _member(self, stream: str, j: int) -> tuple[mx.array, mx.array]:
+        """Basis ``j``'s member factor per KV head [b, H, r, hd] and mean per head
+        [b, H, 1, hd], float32 transients."""
+        H = self.layer.n_kv_heads
+        own, mean, _ = self.bases[j].parts[stream]
+        b = _load(own)
+        bh = b.reshape(b.shape[0], b.shape[1], H, -1).transpose(0, 2, 1, 3)
+        mh = mean.astype(mx.float32).reshape(b.shape[0], 1, H, -1).transpose(0, 2, 1, 3)
+        return bh, mh
+
     def _basis_parts(self, stream: str, cached: bool = False
                      ) -> list[tuple[int, mx.array, mx.array, mx.array]]:
         """Per basis with compressed tokens: its first position, the token factor rows
         [b, n, r] of this member's compressed tokens, the member factor per KV head
         [b, H, r, hd] and the mean per head [b, H, 1, hd], float32 transients."""
-        H = self.layer.n_kv_heads
         out = []
-        for j, basis in enumerate(self.bases):
-            end = self.bases[j + 1].start if j + 1 < len(self.bases) else self.win_start
-            n = end - basis.start
-            if n <= 0:
-                continue
+        for j, start, n in self._spans():
             if cached:
                 a = self.leader._decoded_rows(stream, j)
             else:
                 a = fr.load_rows(self.leader.shared[stream][j])
             if a.shape[-2] != n:
                 a = a[..., :n, :]
-            own, mean, _ = basis.parts[stream]
-            b = _load(own)
-            bh = b.reshape(b.shape[0], b.shape[1], H, -1).transpose(0, 2, 1, 3)
-            mh = mean.astype(mx.float32).reshape(b.shape[0], 1, H, -1).transpose(0, 2, 1, 3)
-            out.append((basis.start, a, bh, mh))
+            out.append((start, a, *self._member(stream, j)))
         return out
+
+    def _rows_part(self, stream: str, j: int, n: int) -> Any:
+        """Basis ``j``'s first ``n`` token factor rows as stored, one view shared by the
+        KV heads (a part for the fused kernel; no copy)."""
+        rows, H = self.leader.shared[stream][j], self.layer.n_kv_heads
+
+        def heads(x: mx.array) -> mx.array:
+            x = x[:, None, :n]
+            return mx.broadcast_to(x, (x.shape[0], H, *x.shape[2:]))
+
+        if isinstance(rows, q.Quantized):
+            return token_codes(q.Quantized(*(heads(a) for a in rows.arrays), rows.bits,
+                                           rows.group_size))
+        return DensePart(heads(rows))
 
     def _rebuilt_keys(self, start: int, a: mx.array, bh: mx.array, mh: mx.array) -> mx.array:
         """Keys [b, H, n, hd] of one basis's tokens, rotated to their positions when
@@ -501,6 +528,63 @@ class XKVCache(CompressedCache):
 
     # ---- attention ----
     def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
+        out = self._fused(queries, scale, mask)
+        if out is None:
+            out = self._attend_ops(queries, scale, mask)
+        info = self.layer
+        if info.member_idx == info.group_size - 1:
+            self._settle_group()
+        return out
+
+    def _fused(self, queries: mx.array, scale: float, mask: Any) -> mx.array | None:
+        """The attention in one fused CPU op (``ops.native``), the token factors read as
+        codes (values in factor space, and keys too when stored after RoPE); None where
+        the op does not run (then MLX's ops)."""
+        B, Hq, L, hd = queries.shape
+        H, hv = self.layer.n_kv_heads, self.layer.v_head_dim
+        causal = native.chunk_mask(mask, L)
+        rows = Hq // H * L
+        if not native.usable(queries.dtype) or causal is None or not self.bases or (
+                L > 1 and (rows > native.CHUNK_ROWS
+                           or rows * self.offset > native.CHUNK_SCORES)):
+            return None
+        qh = (queries * scale).reshape(B, H, rows, hd)
+        qs, keys, values, factors = [qh], [], [], []
+        width, out_width = hd, hv
+        if self.sink_k is not None:
+            keys.append(DensePart(self.sink_k))
+            values.append(DensePart(self.sink_v))
+        for j, start, n in self._spans():
+            bh, mh = self._member("keys", j)
+            if self.pre_rope:
+                a = self.leader._decoded_rows("keys", j)
+                keys.append(DensePart(self._rebuilt_keys(start, a[..., :n, :], bh, mh)))
+            else:
+                qs.append(qh @ bh.swapaxes(-1, -2))
+                keys.append(native.Placed(self._rows_part("keys", j, n), qoff=width,
+                                          shift=qh @ mh.swapaxes(-1, -2)))
+                width += bh.shape[-2]
+            bv, mv = self._member("values", j)
+            values.append(native.Placed(self._rows_part("values", j, n), ooff=out_width,
+                                        mass=True))
+            factors.append((out_width, bv, mv))
+            out_width += bv.shape[-2] + 1
+        if self.win_k is not None:
+            keys.append(DensePart(self.win_k))
+            values.append(DensePart(self.win_v))
+        o = native.decode(mx.concatenate(qs, axis=-1) if len(qs) > 1 else qh, keys, values,
+                          causal)
+        if o is None:
+            return None
+        out = o[..., :hv]
+        for off, bv, mv in factors:
+            r = bv.shape[-2]
+            out = out + o[..., off:off + r] @ bv + o[..., off + r:off + r + 1] * mv
+        return out.reshape(B, Hq, L, hv).astype(queries.dtype)
+
+    def _attend_ops(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        """The attention on MLX's ops (factor-space products, keys rebuilt per basis
+        when stored before RoPE)."""
         info = self.layer
         B, Hq, L, hd = queries.shape
         H = info.n_kv_heads
@@ -533,10 +617,7 @@ class XKVCache(CompressedCache):
                 o = pe @ part.astype(mx.float32)[:, :, None]
             out = o if out is None else out + o
             i += n
-        out = out.reshape(B, Hq, L, -1).astype(queries.dtype)
-        if info.member_idx == info.group_size - 1:
-            self._settle_group()
-        return out
+        return out.reshape(B, Hq, L, -1).astype(queries.dtype)
 
     def decode_flops(self) -> int:
         """One query's attention as ``attend`` runs it: per basis, keys rebuilt from

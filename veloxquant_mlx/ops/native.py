@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -35,6 +36,35 @@ CHUNK_ROWS = 256
 CHUNK_SCORES = 1 << 21
 
 KIND = {"dense": 0, "token": 1, "channel": 2}
+SPEC_INTS = 8  # per part: kind, bits, group, biases, table, query offset, output offset, extras
+SHIFT, MASS = 1, 2  # extras
+
+
+@dataclass
+class Placed:
+    """A part read in factor space (low-rank caches, ``x = a B + m``): as keys, its scores
+    use dims ``qoff:qoff + D`` of the query rows (the cache passes ``q B^T`` there) plus
+    ``shift`` ``[B, H, rows, 1]`` (``q . m``); as values, ``p @ a`` goes to output dims
+    ``ooff:ooff + D`` and, with ``mass``, the part's probability mass to dim ``ooff + D``
+    (the cache applies ``B`` and ``m`` after the op). The kernel only: no MLX path reads
+    it."""
+
+    part: Any
+    qoff: int = 0
+    ooff: int = 0
+    shift: mx.array | None = None
+    mass: bool = False
+
+    @property
+    def n(self) -> int:
+        return self.part.n
+
+    @property
+    def heads(self) -> int:
+        return self.part.heads
+
+    def stored(self) -> Any:
+        return self.part.stored()
 
 
 def _load() -> tuple[Any, str]:
@@ -48,7 +78,8 @@ def _load() -> tuple[Any, str]:
         one = mx.ones((1, 1, 1, 4))
         codes = mx.zeros((1, 1, 1, 1), dtype=mx.uint32)
         mx.eval(ext.decode_attention(one, [codes, one[..., :1], one[..., :1], one], [
-            KIND["token"], 8, 4, 1, 0, KIND["dense"], 0, 0, 0, 0], [1, 1], 1))
+            KIND["token"], 8, 4, 1, 0, 0, 0, 0, KIND["dense"], 0, 0, 0, 0, 0, 0, 0],
+            [1, 1], 1))
     except (TypeError, ValueError, RuntimeError) as e:
         return None, f"built for another MLX ({e.__class__.__name__}): rebuild with " \
                      "bash scripts/build_native.sh"
@@ -81,9 +112,13 @@ def _described(parts: Sequence[Any]) -> tuple[list[int], list[mx.array]] | None:
         if form is None:
             return None
         kind, bits, group, arrs, biases, table = form
-        spec += [KIND[kind], bits, group, int(biases is not None), int(table is not None)]
+        shift = getattr(p, "shift", None)
+        extras = (SHIFT if shift is not None else 0) | (MASS if getattr(p, "mass", False) else 0)
+        spec += [KIND[kind], bits, group, int(biases is not None), int(table is not None),
+                 getattr(p, "qoff", 0), getattr(p, "ooff", 0), extras]
         arrays += [*arrs, *([biases] if biases is not None else []),
-                   *([table] if table is not None else [])]
+                   *([table] if table is not None else []),
+                   *([shift] if shift is not None else [])]
     return spec, arrays
 
 
@@ -123,7 +158,7 @@ def decode(q: mx.array, keys: Sequence[Any], values: Sequence[Any], causal: int 
     last keys, each seeing the keys up to its own."""
     plan = _plan(keys, values) if usable(q.dtype) else None
     # Over dense parts only, MLX's matmuls (BLAS) are faster.
-    if plan is None or all(kind == KIND["dense"] for kind in plan[0][::5]):
+    if plan is None or all(kind == KIND["dense"] for kind in plan[0][::SPEC_INTS]):
         return None
     return _run(q, [plan], sum(p.n for p in keys), causal)
 
