@@ -23,6 +23,11 @@
 // query projected by the cache, q B^T) and may add a per-row shift to its scores (q . m);
 // a value part adds its product p @ a into output dims [ooff, ooff + D) and may write its
 // probability mass after them (the cache applies B and m after the op).
+//
+// Keys a cache rebuilds before RoPE (xKV's default, XQuant) come as a dense part with its
+// rotation: cos and sin [1, 1, n, dims / 2] of each token's angles; bits = 1 pairs
+// neighbouring dims (2i, 2i + 1), else dims i and i + dims / 2. Each row is rotated as it is
+// read: applied by MLX's ops, RoPE cost a pass per op over every rebuilt key.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -58,7 +63,7 @@ typedef int32_t vi __attribute__((vector_size(4 * L)));
 enum Kind : int { kDense = 0, kToken = 1, kChannel = 2 };
 // kind, bits, group, has biases, has a table, query offset, output offset, extras
 constexpr int kSpecInts = 8;
-enum Extra : int { kShift = 1, kMass = 2 };
+enum Extra : int { kShift = 1, kMass = 2, kRotate = 4 };
 
 // An input's base pointer with byte strides over its four axes.
 struct View {
@@ -130,6 +135,7 @@ struct Part {
   int qoff = 0, ooff = 0, extras = 0;
   int64_t n = 0, D = 0;
   View a, s, z, shift;  // dense values or codes; scales; biases; score shift [B, H, R, 1]
+  View cos, sin;        // a rotated dense part's angles [1, 1, n, dims / 2]
   vf table = {};
 };
 
@@ -375,6 +381,20 @@ void channel_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t 
   }
 }
 
+// RoPE of token t's row of a rotated dense part, in place.
+inline void rotate_row(const Part& pt, int64_t t, float* x) {
+  const auto* c = reinterpret_cast<const float*>(pt.cos.data + t * pt.cos.stride[2]);
+  const auto* s = reinterpret_cast<const float*>(pt.sin.data + t * pt.sin.stride[2]);
+  const int64_t half = pt.group / 2;
+  const int64_t step = pt.bits == 1 ? 2 : 1, other = pt.bits == 1 ? 1 : half;
+  for (int64_t i = 0; i < half; ++i) {
+    float& u = x[i * step];
+    float& v = x[i * step + other];
+    const float a = u, b = v;
+    u = a * c[i] - b * s[i], v = a * s[i] + b * c[i];
+  }
+}
+
 // Scores of a dense part: each block of L tokens transposed into lanes.
 void dense_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R, float* out,
                 int64_t ld) {
@@ -386,6 +406,7 @@ void dense_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R,
     std::fill(tile.begin(), tile.end(), vf{});
     for (int j = 0; j < count; ++j) {
       load(pt.a, pt.a.at(b, h) + (t + j) * pt.a.stride[2], pt.a.stride[3], D, row.data());
+      if (pt.extras & kRotate) rotate_row(pt, t + j, row.data());
       for (int64_t d = 0; d < D; ++d) tile[d][j] = row[d];
     }
     std::fill(acc.begin(), acc.end(), vf{});
@@ -578,6 +599,7 @@ Part tokens(Part pt, int64_t t0, int64_t t1) {
   pt.a.data += t0 * pt.a.stride[2];
   if (pt.s.data != nullptr) pt.s.data += t0 * pt.s.stride[2];
   if (pt.z.data != nullptr) pt.z.data += t0 * pt.z.stride[2];
+  if (pt.cos.data != nullptr) pt.cos.data += t0 * pt.cos.stride[2], pt.sin.data += t0 * pt.sin.stride[2];
   pt.n = t1 - t0;
   return pt;
 }
@@ -661,6 +683,7 @@ std::vector<Part> bind_parts(const std::vector<int>& spec, size_t first, size_t 
     if (pt.kind == kDense) {
       pt.n = a.shape(2), pt.D = a.shape(3);
       if (pt.extras & kShift) pt.shift = view_of(in[next++]);
+      if (pt.extras & kRotate) pt.cos = view_of(in[next++]), pt.sin = view_of(in[next++]);
     } else {
       pt.s = view_of(in[next++]);
       if (pt.has_bias) pt.z = view_of(in[next++]);
@@ -782,8 +805,8 @@ std::pair<int64_t, int64_t> check_part(const int* sp, bool is_key, const std::ve
                                        size_t& next, int64_t B, int64_t H, int64_t R) {
   const auto got = check_stored(sp, in, next, B, H);
   const int qoff = sp[5], ooff = sp[6], extras = sp[7];
-  check(qoff >= 0 && ooff >= 0 && extras >= 0 && extras <= (kShift | kMass),
-        "offsets must be >= 0 and extras 0-3 (1: score shift, 2: probability mass)");
+  check(qoff >= 0 && ooff >= 0 && extras >= 0 && extras <= (kShift | kMass | kRotate),
+        "offsets must be >= 0 and extras 0-7 (1: score shift, 2: probability mass, 4: RoPE)");
   check(is_key || (qoff == 0 && !(extras & kShift)), "a value part has no query offset or shift");
   check(!is_key || (ooff == 0 && !(extras & kMass)), "a key part has no output offset or mass");
   if (extras & kShift) {
@@ -792,6 +815,18 @@ std::pair<int64_t, int64_t> check_part(const int* sp, bool is_key, const std::ve
     check(s.dtype() == mx::float32 && s.ndim() == 4 && s.shape(0) == B && s.shape(1) == H &&
               s.shape(2) == R && s.shape(3) == 1,
           "a score shift must be float32 [B, H, rows, 1]");
+  }
+  if (extras & kRotate) {
+    check(is_key && sp[0] == kDense, "only dense key parts are rotated");
+    check(sp[2] > 0 && sp[2] % 2 == 0 && sp[2] <= got.second && (sp[1] == 0 || sp[1] == 1),
+          "a rotated part's group must be its even rotated dims (<= D) and bits 0 or 1");
+    for (int i = 0; i < 2; ++i) {
+      check(next < in.size(), "fewer arrays than the parts need");
+      const auto& t = in[next++];
+      check(t.dtype() == mx::float32 && t.ndim() == 4 && t.shape(2) == got.first &&
+                t.shape(3) == sp[2] / 2 && t.strides()[3] == 1,
+            "a rotation's cos and sin must be float32 [1, 1, n, dims / 2], rows contiguous");
+    }
   }
   return got;
 }

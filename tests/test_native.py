@@ -239,6 +239,15 @@ NO_PLACE = [0, 0, 0]  # query offset, output offset, extras
      "a score shift must be float32"),
     ([0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0, *NO_PLACE], [mx.ones((1, 1, 4, 8))] * 2,
      "fit in the query rows"),
+    # A rotation: of a value part, of odd dims, with tables of the wrong shape.
+    ([0, 0, 0, 0, 0, *NO_PLACE, 0, 0, 8, 0, 0, 0, 0, 4],
+     [mx.ones((1, 1, 4, 8))] * 2 + [mx.ones((1, 1, 4, 4))] * 2, "only dense key parts are rotated"),
+    ([0, 0, 7, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, *NO_PLACE],
+     [mx.ones((1, 1, 4, 8))] + [mx.ones((1, 1, 4, 4))] * 2 + [mx.ones((1, 1, 4, 8))],
+     "even rotated dims"),
+    ([0, 0, 8, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, *NO_PLACE],
+     [mx.ones((1, 1, 4, 8))] + [mx.ones((1, 1, 3, 4))] * 2 + [mx.ones((1, 1, 4, 8))],
+     "cos and sin must be float32"),
 ])
 def test_bad_calls_are_refused_naming_the_problem(spec: list[int], arrays: list[mx.array],
                                                   message: str) -> None:
@@ -374,9 +383,32 @@ def test_a_part_shared_by_the_heads_gives_what_each_head_copy_gives() -> None:
     # tokens); the same codes copied per head go through each head's own pass.
     n = native.THREADED_KEYS + 40
     shared = _factor(n, D, 50)
-    copied = q.Quantized(*(mx.repeat(a[:, :1], H, axis=1) for a in shared.arrays), 4, 32)
+    copied = q.Quantized(*(mx.concatenate([a[:, :1]] * H, axis=1) for a in shared.arrays), 4, 32)
     values = [token_codes(q.quantize(_normal(n, 51), 4, 32))]
     qh = mx.random.normal((B, H, 3, D), key=mx.random.key(52))
     one = native.decode(qh, [token_codes(shared)], values)
     other = native.decode(qh, [token_codes(copied)], values)
     assert _close(one, other) < 1e-6
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [D, D // 2])
+def test_a_rotated_dense_part_gives_attention_over_rope_keys(traditional: bool,
+                                                             dims: int) -> None:
+    # Keys rebuilt before RoPE (xKV's default, XQuant) are rotated by the op as it reads
+    # them: the same as MLX's RoPE then attention, from position 300 on (partial RoPE too).
+    from veloxquant_mlx.ops import rope
+
+    n, start = 70, 300
+    k, v = _normal(n, 60), _normal(n, 61)
+    qh = mx.random.normal((B, H, 3, D), key=mx.random.key(62)) * 0.125
+    tables = rope.tables(n, start, dims, 10000.0, traditional, 1.0)
+    got = native.decode(qh, [native.Placed(DensePart(k), rope=tables)],
+                        [token_codes(q.quantize(v, 8, 32))])
+    rotated = mx.fast.rope(k, dims, traditional=traditional, base=10000.0, scale=1.0,
+                           offset=start)
+    want = native.decode(qh, [DensePart(rotated)], [token_codes(q.quantize(v, 8, 32))])
+    assert _close(got, want) < 2e-5
+    # Unrotated keys differ visibly: the bound would catch a rotation left out.
+    plain = native.decode(qh, [DensePart(k)], [token_codes(q.quantize(v, 8, 32))])
+    assert _close(plain, want) > 1e-3

@@ -110,3 +110,11 @@ def test_the_profile_takes_the_specs_as_every_benchmark_does() -> None:
     assert all(r["step_ms"] > 0 and r["attention_ms"] > 0 for r in rows)
     # A step allocates at least its logits (vocabulary x float32).
     assert all(r["step_peak_mib"] * 2**20 >= model.args.vocab_size * 4 for r in rows)
+
+
+def test_the_profile_refuses_methods_it_cannot_fill_naming_them() -> None:
+    # The profile fills caches with random keys and values; XQuant caches the layers'
+    # input instead, so it is refused by name rather than failing deep inside the cache.
+    model = tiny_model("llama", seed=2)
+    with pytest.raises(ValueError, match="'xquant' caches the layers' input"):
+        bench.profile_decode(model, "xquant", context=48, rounds=1)

@@ -53,6 +53,7 @@ from veloxquant_mlx.ops.attention import masked_softmax
 from veloxquant_mlx.ops.buffers import owned
 from veloxquant_mlx.ops.parts import DensePart, token_codes
 from veloxquant_mlx.ops.rope import rotate, unrotate
+from veloxquant_mlx.ops.rope import tables as rope_tables
 from veloxquant_mlx.options import MethodOptions, config_error
 from veloxquant_mlx.register import register
 
@@ -497,14 +498,15 @@ class XKVCache(CompressedCache):
                                            rows.group_size))
         return DensePart(heads(rows))
 
-    def _rebuilt_keys(self, start: int, a: mx.array, bh: mx.array, mh: mx.array) -> mx.array:
+    def _rebuilt_keys(self, start: int, a: mx.array, bh: mx.array, mh: mx.array,
+                      rotated: bool = True) -> mx.array:
         """Keys [b, H, n, hd] of one basis's tokens, rotated to their positions when
-        stored before RoPE (a transient). One matmul for every head: a batch of one per
-        head ran at half its speed on the CPU."""
+        stored before RoPE (unless not ``rotated``; a transient). One matmul for every
+        head: a batch of one per head ran at half its speed on the CPU."""
         b, H, r, hd = bh.shape
         k = (a @ bh.transpose(0, 2, 1, 3).reshape(b, r, H * hd)).reshape(b, -1, H, hd)
         k = k.transpose(0, 2, 1, 3) + mh
-        if self.pre_rope:
+        if self.pre_rope and rotated:
             info = self.layer
             k = rotate(k, info.rope_dims, info.rope_base, info.rope_traditional,
                        info.rope_scale, start)
@@ -556,9 +558,13 @@ class XKVCache(CompressedCache):
             values.append(DensePart(self.sink_v))
         for j, start, n in self._spans():
             bh, mh = self._member("keys", j)
-            if self.pre_rope:
+            if self.pre_rope:  # rebuilt, and rotated by the op as it reads them
                 a = self.leader._decoded_rows("keys", j)
-                keys.append(DensePart(self._rebuilt_keys(start, a[..., :n, :], bh, mh)))
+                info = self.layer
+                keys.append(native.Placed(
+                    DensePart(self._rebuilt_keys(start, a[..., :n, :], bh, mh, False)),
+                    rope=rope_tables(n, start, info.rope_dims, info.rope_base,
+                                     info.rope_traditional, info.rope_scale)))
             else:
                 qs.append(qh @ bh.swapaxes(-1, -2))
                 keys.append(native.Placed(self._rows_part("keys", j, n), qoff=width,

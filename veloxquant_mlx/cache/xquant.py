@@ -207,13 +207,15 @@ class XQuantCache(CompressedCache):
 
         That is ``proj.encode``'s form (X, or its two latents) in float32 for tokens
         ``[0, start)``, or ``None`` when the cache was empty. With ``joined=False``, a
-        list of segments ``(first position, parts)`` instead (the coded tokens, the
-        window), never joined into one full-size copy.
+        list of segments ``(first position, parts)`` instead (the coded tokens as their
+        codes, the window), never joined into one full-size copy.
         """
         start = self._begin(x)
         segments = []
         if start and self.codes is not None:
-            segments.append((0, [fr.load_rows(c) for c in self.codes]))
+            # Codes as they are (read where needed): only a joined form is decoded here.
+            segments.append((0, list(self.codes) if not joined else
+                             [fr.load_rows(c) for c in self.codes]))
         if start and self.win is not None:
             segments.append((start - self.n_window(), [w.astype(mx.float32) for w in self.win]))
         self._store(proj.encode(x))

@@ -29,8 +29,11 @@ from veloxquant_mlx.cache.base import LayerInfo, depend_on_state
 from veloxquant_mlx.cache.module_call import below, hook_module, original_class, unhook_module
 from veloxquant_mlx.cache.xquant_generic import X_HOOK, GenericXPath, x_generic_call
 from veloxquant_mlx.errors import Refusal, UnsupportedModelError
-from veloxquant_mlx.ops import rope
+from veloxquant_mlx.ops import factors as fr
+from veloxquant_mlx.ops import native, rope
+from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import masked_softmax, sdpa
+from veloxquant_mlx.ops.parts import DensePart, token_codes
 
 XQUANT_ATTENTION_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
 
@@ -135,18 +138,19 @@ class XProjection:
             return self.wv
         return self.sv[:, None] * self.vv.T
 
-    def keys(self, parts: list[mx.array]) -> mx.array:
-        """Pre-RoPE ``[B, n_kv_heads, S, head_dim]`` keys from ``encode``'s form."""
+    def keys(self, parts: list[Any]) -> mx.array:
+        """Pre-RoPE ``[B, n_kv_heads, S, head_dim]`` keys from ``encode``'s form (floats,
+        or the cache's codes of it)."""
         if self.latent:
-            k = (parts[0] * self.sk) @ self.vk.T
+            k = (fr.load_rows(parts[0]) * self.sk) @ self.vk.T
             k = k if self.bk is None else k + self.bk
         else:
-            k = self.attn.k_proj(parts[0].astype(mx.float32)).astype(mx.float32)
+            k = self.attn.k_proj(fr.load_rows(parts[0])).astype(mx.float32)
         return self._heads(k)
 
-    def values(self, parts: list[mx.array]) -> mx.array:
+    def values(self, parts: list[Any]) -> mx.array:
         """``[B, n_kv_heads, S, v_head_dim]`` values from ``encode``'s form."""
-        v = parts[-1] @ self._value_factor()
+        v = fr.load_rows(parts[-1]) @ self._value_factor()
         return self._heads(v if self.bv is None else v + self.bv)
 
     def rematerialize(self, parts: list[mx.array], dtype: mx.Dtype) -> tuple[mx.array,
@@ -164,11 +168,12 @@ class XProjection:
         w = self.widths[-1]
         return n_queries * w < w * self.n_kv_heads * self.v_dim + n_queries * self.v_dim
 
-    def attend(self, queries: mx.array, segments: list[tuple[int, list[mx.array]]],
+    def attend(self, queries: mx.array, segments: list[tuple[int, list[Any]]],
                scale: float, mask: Any) -> mx.array:
         """Attention of RoPE'd ``queries`` over the tokens held in ``segments``: each is
         ``(first position, stored form)`` of consecutive tokens (the coded tokens, the
-        window, the chunk itself), in order.
+        window, the chunk itself), in order; the coded tokens' form may be their codes
+        (``ops.quantize.Quantized``), decoded where read.
 
         Where it pays, the segments are never joined and the values never
         rematerialized: keys are rebuilt and rotated per segment, scores joined (small),
@@ -178,6 +183,9 @@ class XProjection:
         """
         B, Hq, L, D = queries.shape
         keys = [rope.apply(self.attn.rope, self.keys(parts), start) for start, parts in segments]
+        fused = self._fused(queries, keys, segments, scale, mask)
+        if fused is not None:
+            return fused
         if not self.factored_pays(Hq * L):
             k = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
             v = [self.values(parts) for _, parts in segments]
@@ -193,15 +201,59 @@ class XProjection:
         probs = probs.reshape(B, H * rep * L, -1)
         mixed, i = None, 0
         for (_, parts), n in zip(segments, sizes):
-            part = probs[..., i:i + n] @ parts[-1]
+            part = probs[..., i:i + n] @ fr.load_rows(parts[-1])
             mixed = part if mixed is None else mixed + part
             i += n
+        return self._from_factor_space(mixed.reshape(B, H, rep * L, -1), queries)
+
+    def _from_factor_space(self, mixed: mx.array, queries: mx.array) -> mx.array:
+        """Outputs ``[B, Hq, L, Dv]`` from the probabilities' products with the stored
+        value form, ``mixed`` ``[B, H, rows, w]``: its factor per KV head, then the bias."""
+        B, Hq, L, _ = queries.shape
+        H = mixed.shape[1]
         rv = self._value_factor()
         rv_heads = rv.reshape(rv.shape[0], H, self.v_dim).transpose(1, 0, 2)
-        out = mixed.reshape(B, H, rep * L, -1) @ rv_heads
+        out = mixed @ rv_heads
         if self.bv is not None:
             out = out + self.bv.reshape(H, 1, -1)
         return out.reshape(B, Hq, L, -1).astype(queries.dtype)
+
+    def _fused(self, queries: mx.array, keys: list[mx.array],
+               segments: list[tuple[int, list[Any]]], scale: float, mask: Any
+               ) -> mx.array | None:
+        """The attention in one fused CPU op (``ops.native``): the rebuilt keys as dense
+        parts (rotated by the op as it reads them where the model's RoPE is a plain
+        ``nn.RoPE``), the stored value form as parts shared by the KV heads (codes read
+        as codes); None where it does not run (then MLX's ops)."""
+        B, Hq, L, D = queries.shape
+        H = keys[0].shape[1]
+        rows = Hq // H * L
+        causal = native.chunk_mask(mask, L)
+        if not native.usable(queries.dtype) or causal is None or not self.factored_pays(
+                Hq * L) or (L > 1 and (rows > native.CHUNK_ROWS or rows * sum(
+                    k.shape[2] for k in keys) > native.CHUNK_SCORES)):
+            return None
+        values = [_shared_by_heads(parts[-1], H) for _, parts in segments]
+        key_parts: list[Any] = []
+        for k, (start, parts) in zip(keys, segments):
+            tables = rope.module_tables(self.attn.rope, k.shape[2], start)
+            key_parts.append(DensePart(k) if tables is None else
+                             native.Placed(DensePart(self.keys(parts)), rope=tables))
+        q = (queries * scale).reshape(B, H, rows, D)
+        mixed = native.decode(q, key_parts, values, causal)
+        return None if mixed is None else self._from_factor_space(mixed, queries)
+
+
+def _shared_by_heads(x: Any, heads: int) -> Any:
+    """A stored form ``[B, S, w]`` (floats or codes) as one part that every KV head reads
+    (a view with head stride 0, no copy)."""
+
+    def view(a: mx.array) -> mx.array:
+        return mx.broadcast_to(a[:, None], (a.shape[0], heads, *a.shape[1:]))
+
+    if isinstance(x, q.Quantized):
+        return token_codes(q.Quantized(*(view(a) for a in x.arrays), x.bits, x.group_size))
+    return DensePart(view(x))
 
 
 def _is_view(linear: nn.Module) -> bool:

@@ -218,6 +218,12 @@ def fill_caches(model: nn.Module, source: CacheSource, context: int,
     depend on the values), filled in chunks, each chunk attended by one query as a step
     would, so that methods which code after attention have coded it."""
     caches = build_caches(model, source)
+    hooked = [c.method for c in caches if getattr(c, "hooks_module", False)]
+    if hooked:
+        raise ValueError(
+            f"bench --profile: method {hooked[0]!r} caches the layers' input, not keys and "
+            "values, so it cannot be filled with random ones; measure it with veloxquant "
+            "bench (a real prefill) instead")
     mx.random.seed(0)
     for c in caches:
         info = c.layer

@@ -37,7 +37,7 @@ CHUNK_SCORES = 1 << 21
 
 KIND = {"dense": 0, "token": 1, "channel": 2}
 SPEC_INTS = 8  # per part: kind, bits, group, biases, table, query offset, output offset, extras
-SHIFT, MASS = 1, 2  # extras
+SHIFT, MASS, ROTATE = 1, 2, 4  # extras
 
 
 @dataclass
@@ -46,14 +46,16 @@ class Placed:
     use dims ``qoff:qoff + D`` of the query rows (the cache passes ``q B^T`` there) plus
     ``shift`` ``[B, H, rows, 1]`` (``q . m``); as values, ``p @ a`` goes to output dims
     ``ooff:ooff + D`` and, with ``mass``, the part's probability mass to dim ``ooff + D``
-    (the cache applies ``B`` and ``m`` after the op). The kernel only: no MLX path reads
-    it."""
+    (the cache applies ``B`` and ``m`` after the op). A dense key part with ``rope``
+    (``ops.rope.Tables``) is rotated to its positions as the op reads it (keys rebuilt
+    before RoPE). The kernel only: no MLX path reads it."""
 
     part: Any
     qoff: int = 0
     ooff: int = 0
     shift: mx.array | None = None
     mass: bool = False
+    rope: Any = None
 
     @property
     def n(self) -> int:
@@ -112,13 +114,16 @@ def _described(parts: Sequence[Any]) -> tuple[list[int], list[mx.array]] | None:
         if form is None:
             return None
         kind, bits, group, arrs, biases, table = form
-        shift = getattr(p, "shift", None)
+        shift, rope = getattr(p, "shift", None), getattr(p, "rope", None)
         extras = (SHIFT if shift is not None else 0) | (MASS if getattr(p, "mass", False) else 0)
+        if rope is not None:  # a rotated dense part: bits says the pairing, group the dims
+            extras, bits, group = extras | ROTATE, int(rope.traditional), rope.dims
         spec += [KIND[kind], bits, group, int(biases is not None), int(table is not None),
                  getattr(p, "qoff", 0), getattr(p, "ooff", 0), extras]
         arrays += [*arrs, *([biases] if biases is not None else []),
                    *([table] if table is not None else []),
-                   *([shift] if shift is not None else [])]
+                   *([shift] if shift is not None else []),
+                   *([rope.cos, rope.sin] if rope is not None else [])]
     return spec, arrays
 
 

@@ -16,6 +16,7 @@ same keys). Short runs (a decode step's token) and other backends keep the fused
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,6 +53,32 @@ def apply(module: nn.Module, x: mx.array, offset: int = 0) -> mx.array:
 
 
 FINE = 32  # positions per step of the coarse table (see ``angles``)
+
+
+@dataclass(frozen=True)
+class Tables:
+    """RoPE's angles of a run of positions for a kernel that rotates as it reads
+    (``ops.native.Placed``): ``cos``/``sin`` ``[1, 1, length, dims // 2]``."""
+
+    cos: mx.array
+    sin: mx.array
+    dims: int
+    traditional: bool
+
+
+def tables(length: int, offset: int, dims: int, base: float, traditional: bool,
+           scale: float) -> Tables:
+    """:class:`Tables` of positions ``offset .. offset+length-1`` (:func:`angles`)."""
+    cos, sin = angles(length, offset, dims, base, scale)
+    return Tables(cos[None, None], sin[None, None], dims, traditional)
+
+
+def module_tables(module: nn.Module, length: int, offset: int) -> Tables | None:
+    """:func:`tables` of a model's RoPE module when it is a plain ``nn.RoPE``; None for
+    scaled variants (their own frequencies: the module must rotate)."""
+    if type(module) is not nn.RoPE:
+        return None
+    return tables(length, offset, module.dims, module.base, module.traditional, module.scale)
 
 
 def angles(length: int, offset: int, dims: int, base: float,
