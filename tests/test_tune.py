@@ -238,6 +238,16 @@ def test_the_journal_is_ignored_for_another_run(tmp_path: Path) -> None:
     assert json.loads(path.read_text())["fingerprint"] == "aaa"
 
 
+def test_the_journal_of_other_code_is_not_resumed(model, monkeypatch) -> None:
+    # A journal kept from an earlier version would hand its speeds and KLs to this one.
+    params = tune.TuneParams(budget=0.3, context=64)
+    tokens = list(range(200))
+    before = tune.fingerprint(model, tokens, params)
+    assert tune.fingerprint(model, tokens, params) == before
+    monkeypatch.setattr(tune, "code_fingerprint", lambda: "other code")
+    assert tune.fingerprint(model, tokens, params) != before
+
+
 def test_frontier_shares_measurements_and_mixes_widths_per_budget(tmp_path: Path, model,
                                                                    monkeypatch) -> None:
     """Several budgets on one journal: a candidate's bytes are measured once; each budget

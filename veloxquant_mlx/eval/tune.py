@@ -239,13 +239,25 @@ class Journal:
         tmp.replace(self.path)
 
 
+def code_fingerprint() -> str:
+    """A hash of the library's own code (its modules and the fused kernel it loaded):
+    speed and quality measured by other code are not resumed."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".so") and path.is_file():
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def fingerprint(model: nn.Module, tokens: Sequence[int], params: TuneParams) -> str:
-    """What every measurement of a run depends on, hashed."""
+    """What every measurement of a run depends on, hashed (the code included)."""
     infos = [(i.n_kv_heads, i.head_dim) if i else None
              for i in KVCacheBuilder.layer_infos(model)]
     key = json.dumps([type(model).__module__, infos, len(tokens), sum(tokens[:4096]),
                       params.context, params.predict, params.windows, params.seed,
-                      params.screen_tokens, params.chunk])
+                      params.screen_tokens, params.chunk, code_fingerprint()])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
