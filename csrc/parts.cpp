@@ -524,6 +524,11 @@ std::vector<float> exp_rows(float* sc, int64_t R, int64_t S) {
   return den;
 }
 
+// Dims [qoff, qoff + D) of R query rows (stride Dq): a placed part's queries, R rows of D.
+void part_queries(const Part& pt, const float* q, int64_t R, int64_t Dq, float* out) {
+  for (int64_t r = 0; r < R; ++r) std::copy_n(q + r * Dq + pt.qoff, pt.D, out + r * pt.D);
+}
+
 // Scores of a key part placed at dims [qoff, qoff + D) of the query rows (stride Dq),
 // plus its per-row shift; `pre`: the head's rows of scores computed for every head at once.
 void placed_keys(const Part& pt, int64_t b, int64_t h, const std::vector<float>& q, int64_t Dq,
@@ -534,8 +539,7 @@ void placed_keys(const Part& pt, int64_t b, int64_t h, const std::vector<float>&
     keys_into(pt, b, h, q.data(), R, out, ld);
   } else {
     std::vector<float> own(R * pt.D);
-    for (int64_t r = 0; r < R; ++r)
-      std::copy_n(q.data() + r * Dq + pt.qoff, pt.D, own.data() + r * pt.D);
+    part_queries(pt, q.data(), R, Dq, own.data());
     keys_into(pt, b, h, own.data(), R, out, ld);
   }
   if (!(pt.extras & kShift)) return;
@@ -608,11 +612,8 @@ std::vector<float> scores_for_all_heads(const Plan& pl, int64_t b, int64_t pb, c
                                         int threads) {
   const int64_t R = pl.R, HR = pl.H * R;
   std::vector<float> q(HR * pt.D), sc(HR * pt.n);
-  for (int64_t h = 0; h < pl.H; ++h) {
-    const auto qh = load_matrix(pl.q, b, h, R, pl.D);
-    for (int64_t r = 0; r < R; ++r)
-      std::copy_n(qh.data() + r * pl.D + pt.qoff, pt.D, q.data() + (h * R + r) * pt.D);
-  }
+  for (int64_t h = 0; h < pl.H; ++h)
+    part_queries(pt, load_matrix(pl.q, b, h, R, pl.D).data(), R, pl.D, q.data() + h * R * pt.D);
   const int64_t step = (pt.n + threads * L - 1) / (threads * L) * L;  // whole lane blocks
   auto work = [&](int w) {
     const int64_t t0 = w * step, t1 = std::min(pt.n, t0 + step);
@@ -682,8 +683,6 @@ std::vector<Part> bind_parts(const std::vector<int>& spec, size_t first, size_t 
     pt.a = view_of(a);
     if (pt.kind == kDense) {
       pt.n = a.shape(2), pt.D = a.shape(3);
-      if (pt.extras & kShift) pt.shift = view_of(in[next++]);
-      if (pt.extras & kRotate) pt.cos = view_of(in[next++]), pt.sin = view_of(in[next++]);
     } else {
       pt.s = view_of(in[next++]);
       if (pt.has_bias) pt.z = view_of(in[next++]);
@@ -696,8 +695,10 @@ std::vector<Part> bind_parts(const std::vector<int>& spec, size_t first, size_t 
       pt.D = pt.kind == kToken ? width : a.shape(2);
       if (a.strides()[3] != 1)
         throw std::invalid_argument("veloxquant native: codes must be contiguous along their last axis");
-      if (pt.extras & kShift) pt.shift = view_of(in[next++]);
     }
+    // After the stored arrays, in check_part's order: the shift, then the rotation.
+    if (pt.extras & kShift) pt.shift = view_of(in[next++]);
+    if (pt.extras & kRotate) pt.cos = view_of(in[next++]), pt.sin = view_of(in[next++]);
     parts.push_back(pt);
   }
   return parts;
@@ -863,7 +864,7 @@ std::pair<int64_t, int64_t> check_parts(const std::vector<int>& spec, int first,
   }
   check(placed || Dk == D, "key parts must have the queries' head dim");
   check(S_keys == S_values && S_keys > 0, "key and value parts must cover the same tokens");
-  return {std::max(Dv, Dout), S_keys};
+  return {Dout, S_keys};
 }
 
 // counts: (key parts, value parts) of one set shared by the batch, or of each batch row's

@@ -269,7 +269,9 @@ def test_bad_part_counts_are_refused(counts: list[int], message: str) -> None:
     "kivi:bits=4,group_size=32", "turboquant", "affine:bits=4,group_size=32",
     # Factor space: values (and keys after RoPE) read as codes of the token factor.
     "xkv:group_layers=2,block=64,rank_k=32,rank_v=32,factor_bits=4",
-    "xkv:group_layers=2,block=64,rank_k=30,rank_v=20,factor_bits=4,pre_rope=False,window=8"])
+    "xkv:group_layers=2,block=64,rank_k=30,rank_v=20,factor_bits=4,pre_rope=False,window=8",
+    # Keys rebuilt from the cached X and rotated in the op, value codes read as codes.
+    "xquant"])
 def test_the_plain_loop_gives_the_same_logits_fused(method: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # The user's loop: a prompt, a second chunk, then one token at a time, no state

@@ -105,10 +105,10 @@ class StoredFormCache(CompressedCache):
 
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         qr = self._turn_in(queries)
-        out = _fused_rows([self], qr, scale, mask)
+        keys, values = slots = self.attention_slots()
+        out = _fused_rows([self], [slots], qr, scale, mask)
         if out is not None:
             return self._turn_out(out, queries.dtype)
-        keys, values = self.attention_slots()
         out = attend_parts(qr, _parts(keys, qr), _parts(values, qr), scale, mask)
         self.commit()  # the new tokens were attended in full precision: code them now
         return self._turn_out(out, queries.dtype)
@@ -125,11 +125,12 @@ class StoredFormCache(CompressedCache):
             return None
         if not decodes_at_once(queries.shape[1], first.layer.n_kv_heads, queries.shape[2]):
             return None
-        out = _fused_rows(rows, first._turn_in(queries), scale)
+        slots = [r.attention_slots() for r in rows]
+        out = _fused_rows(rows, slots, first._turn_in(queries), scale)
         if out is not None:
             return first._turn_out(out, queries.dtype)
         qh = heads_major(first._turn_in(queries), first.layer.n_kv_heads)
-        batched = batch_slots([r.attention_slots() for r in rows], after=qh)
+        batched = batch_slots(slots, after=qh)
         if batched is None:
             return None
         out = attend_parts(qh, _parts(batched.keys, qh), _parts(batched.values, qh), scale,
@@ -172,14 +173,14 @@ class StoredFormCache(CompressedCache):
         self.offset -= n
 
 
-def _fused_rows(rows: list[Any], queries: mx.array, scale: float, mask: Any = None
-                ) -> mx.array | None:
-    """Each row's queries over its own slots, in one op of the fused CPU kernel
-    (``ops.native``): no padded layout, no mask array, no blocks (the kernel makes no
-    float copy of a store). None unless the kernel reads every row's slots."""
+def _fused_rows(rows: list[Any], slots: list[tuple[list[Slot], list[Slot]]],
+                queries: mx.array, scale: float, mask: Any = None) -> mx.array | None:
+    """Each row's queries over its own ``(key, value)`` slots, in one op of the fused CPU
+    kernel (``ops.native``): no padded layout, no mask array, no blocks (the kernel makes
+    no float copy of a store). None unless the kernel reads every row's slots."""
     if not native.usable(queries.dtype) or native.chunk_mask(mask, queries.shape[2]) is None:
         return None  # GPU backends, float16, mask arrays: MLX's ops
-    parts = [tuple(slot_parts(s) for s in r.attention_slots()) for r in rows]
+    parts = [tuple(slot_parts(s) for s in kv) for kv in slots]
     out = native.attend_rows(queries, scale, parts, mask)
     if out is not None:
         for r in rows:

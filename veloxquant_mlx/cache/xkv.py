@@ -51,7 +51,7 @@ from veloxquant_mlx.ops import native
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import masked_softmax
 from veloxquant_mlx.ops.buffers import owned
-from veloxquant_mlx.ops.parts import DensePart, token_codes
+from veloxquant_mlx.ops.parts import DensePart, shared_by_heads
 from veloxquant_mlx.ops.rope import rotate, unrotate
 from veloxquant_mlx.ops.rope import tables as rope_tables
 from veloxquant_mlx.options import MethodOptions, config_error
@@ -485,18 +485,9 @@ class XKVCache(CompressedCache):
         return out
 
     def _rows_part(self, stream: str, j: int, n: int) -> Any:
-        """Basis ``j``'s first ``n`` token factor rows as stored, one view shared by the
-        KV heads (a part for the fused kernel; no copy)."""
-        rows, H = self.leader.shared[stream][j], self.layer.n_kv_heads
-
-        def heads(x: mx.array) -> mx.array:
-            x = x[:, None, :n]
-            return mx.broadcast_to(x, (x.shape[0], H, *x.shape[2:]))
-
-        if isinstance(rows, q.Quantized):
-            return token_codes(q.Quantized(*(heads(a) for a in rows.arrays), rows.bits,
-                                           rows.group_size))
-        return DensePart(heads(rows))
+        """Basis ``j``'s first ``n`` token factor rows as stored, one part shared by the
+        KV heads (for the fused kernel; no copy)."""
+        return shared_by_heads(self.leader.shared[stream][j], self.layer.n_kv_heads, n)
 
     def _rebuilt_keys(self, start: int, a: mx.array, bh: mx.array, mh: mx.array,
                       rotated: bool = True) -> mx.array:
@@ -544,13 +535,10 @@ class XKVCache(CompressedCache):
         the op does not run (then MLX's ops)."""
         B, Hq, L, hd = queries.shape
         H, hv = self.layer.n_kv_heads, self.layer.v_head_dim
-        causal = native.chunk_mask(mask, L)
-        rows = Hq // H * L
-        if not native.usable(queries.dtype) or causal is None or not self.bases or (
-                L > 1 and (rows > native.CHUNK_ROWS
-                           or rows * self.offset > native.CHUNK_SCORES)):
+        causal = native.causal_for(queries, mask, H, self.offset)
+        if causal is None or not self.bases:
             return None
-        qh = (queries * scale).reshape(B, H, rows, hd)
+        qh = (queries * scale).reshape(B, H, Hq // H * L, hd)
         qs, keys, values, factors = [qh], [], [], []
         width, out_width = hd, hv
         if self.sink_k is not None:

@@ -31,9 +31,8 @@ from veloxquant_mlx.cache.xquant_generic import X_HOOK, GenericXPath, x_generic_
 from veloxquant_mlx.errors import Refusal, UnsupportedModelError
 from veloxquant_mlx.ops import factors as fr
 from veloxquant_mlx.ops import native, rope
-from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import masked_softmax, sdpa
-from veloxquant_mlx.ops.parts import DensePart, token_codes
+from veloxquant_mlx.ops.parts import DensePart, shared_by_heads
 
 XQUANT_ATTENTION_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
 
@@ -227,33 +226,18 @@ class XProjection:
         as codes); None where it does not run (then MLX's ops)."""
         B, Hq, L, D = queries.shape
         H = keys[0].shape[1]
-        rows = Hq // H * L
-        causal = native.chunk_mask(mask, L)
-        if not native.usable(queries.dtype) or causal is None or not self.factored_pays(
-                Hq * L) or (L > 1 and (rows > native.CHUNK_ROWS or rows * sum(
-                    k.shape[2] for k in keys) > native.CHUNK_SCORES)):
+        causal = native.causal_for(queries, mask, H, sum(k.shape[2] for k in keys))
+        if causal is None or not self.factored_pays(Hq * L):
             return None
-        values = [_shared_by_heads(parts[-1], H) for _, parts in segments]
+        values = [shared_by_heads(parts[-1], H) for _, parts in segments]
         key_parts: list[Any] = []
         for k, (start, parts) in zip(keys, segments):
             tables = rope.module_tables(self.attn.rope, k.shape[2], start)
             key_parts.append(DensePart(k) if tables is None else
                              native.Placed(DensePart(self.keys(parts)), rope=tables))
-        q = (queries * scale).reshape(B, H, rows, D)
+        q = (queries * scale).reshape(B, H, Hq // H * L, D)
         mixed = native.decode(q, key_parts, values, causal)
         return None if mixed is None else self._from_factor_space(mixed, queries)
-
-
-def _shared_by_heads(x: Any, heads: int) -> Any:
-    """A stored form ``[B, S, w]`` (floats or codes) as one part that every KV head reads
-    (a view with head stride 0, no copy)."""
-
-    def view(a: mx.array) -> mx.array:
-        return mx.broadcast_to(a[:, None], (a.shape[0], heads, *a.shape[1:]))
-
-    if isinstance(x, q.Quantized):
-        return token_codes(q.Quantized(*(view(a) for a in x.arrays), x.bits, x.group_size))
-    return DensePart(view(x))
 
 
 def _is_view(linear: nn.Module) -> bool:

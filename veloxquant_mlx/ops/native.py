@@ -195,6 +195,20 @@ def chunk_mask(mask: Any, n_queries: int) -> int | None:
     return None
 
 
+def causal_for(queries: mx.array, mask: Any, heads: int, n_keys: int) -> int | None:
+    """:func:`decode`'s ``causal`` for ``queries`` ``[B, Hq, L, D]`` over ``n_keys`` keys
+    of ``heads`` KV heads; None where the op does not take them (off, a GPU, float16,
+    mask arrays, a prompt chunk past ``CHUNK_ROWS`` or ``CHUNK_SCORES``)."""
+    B, Hq, L, D = queries.shape
+    causal = chunk_mask(mask, L)
+    if not usable(queries.dtype) or causal is None:
+        return None
+    n_rows = Hq // heads * L
+    if L > 1 and (n_rows > CHUNK_ROWS or n_rows * n_keys > CHUNK_SCORES):
+        return None
+    return causal
+
+
 def attend_rows(queries: mx.array, scale: float,
                 rows: Sequence[tuple[Sequence[Any], Sequence[Any]]], mask: Any = None
                 ) -> mx.array | None:
@@ -204,12 +218,9 @@ def attend_rows(queries: mx.array, scale: float,
     not).
     None where the kernel does not run."""
     B, Hq, L, D = queries.shape
-    causal = chunk_mask(mask, L)
-    if not usable(queries.dtype) or causal is None or (causal and len(rows) > 1):
-        return None
     H = rows[0][0][0].heads
-    n_rows = Hq // H * L
-    if L > 1 and (n_rows > CHUNK_ROWS or n_rows * sum(p.n for p in rows[0][0]) > CHUNK_SCORES):
+    causal = causal_for(queries, mask, H, sum(p.n for p in rows[0][0]))
+    if causal is None or (causal and len(rows) > 1):
         return None
     q = (queries * scale).reshape(B, H, Hq // H * L, D)
     out = decode(q, *rows[0], causal) if len(rows) == 1 else decode_rows(q, rows)

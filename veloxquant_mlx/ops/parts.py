@@ -213,6 +213,20 @@ def token_codes(qt: q.Quantized) -> TokenCodes:
         qt.scales, qt.biases, decode, _token_form(qt))
 
 
+def shared_by_heads(x: Any, heads: int, n: int | None = None) -> Any:
+    """The first ``n`` tokens (all: ``None``) of a stored form ``[B, S, w]`` (floats, or
+    per-token ``Quantized`` codes) as one part that every KV head reads: a view with head
+    stride 0, no copy (the fused kernel reads such a part once for all heads' rows)."""
+
+    def view(a: mx.array) -> mx.array:
+        a = a[:, None] if n is None else a[:, None, :n]
+        return mx.broadcast_to(a, (a.shape[0], heads, *a.shape[2:]))
+
+    if isinstance(x, q.Quantized):
+        return token_codes(q.Quantized(*(view(a) for a in x.arrays), x.bits, x.group_size))
+    return DensePart(view(x))
+
+
 def _token_form(qt: q.Quantized) -> Stored:
     return ("token", qt.bits, qt.group_size, [qt.codes, qt.scales], qt.biases, None)
 
