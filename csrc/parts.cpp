@@ -28,6 +28,12 @@
 // rotation: cos and sin [1, 1, n, dims / 2] of each token's angles; bits = 1 pairs
 // neighbouring dims (2i, 2i + 1), else dims i and i + dims / 2. Each row is rotated as it is
 // read: applied by MLX's ops, RoPE cost a pass per op over every rebuilt key.
+//
+// A value part shared by the KV heads (head stride 0) is read once for every head's rows:
+// each head's softmax first, then the part's tokens split between the threads.
+//
+// floats_of: token-coded rows as float32 in one op, for caches that rebuild from codes
+// with a matmul (xKV's factors, XQuant): MLX's ops took several passes over the rows.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -214,6 +220,15 @@ inline float lane_sum(const vf& v) {
   return total;
 }
 
+// f(w) on `threads` threads (w = 0 on this one).
+template <class F>
+void on_threads(int threads, F&& f) {
+  std::vector<std::thread> pool;
+  for (int w = 1; w < threads; ++w) pool.emplace_back(f, w);
+  f(0);
+  for (auto& t : pool) t.join();
+}
+
 // Scores q @ K^T of a token part into out[r * ld + t].
 template <int BITS, bool TABLE>
 void token_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R, float* out,
@@ -224,18 +239,18 @@ void token_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R,
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i = 0; i < D; ++i) qsum[r * G + i / gs] += q[r * D + i];
   const uint8_t* base = pt.a.at(b, h);
-  std::vector<vf> acc(R * G);
+  std::vector<vf> acc(R * G), sl(G), zl(G);
   for (int64_t t = 0; t < n; t += L) {
     const int64_t count = std::min<int64_t>(L, n - t);
     std::fill(acc.begin(), acc.end(), vf{});
     for_each_word<BITS, TABLE>(pt, base, t, count, [&](int64_t d, int64_t g, const vf* lv) {
       for (int64_t r = 0; r < R; ++r) acc[r * G + g] += dot<32 / BITS>(q + r * D + d, lv);
     });
+    for (int64_t g = 0; g < G; ++g)  // the tokens' scales in lanes, once for every row
+      sl[g] = lanes(s.data() + g, G, t, count), zl[g] = lanes(z.data() + g, G, t, count);
     for (int64_t r = 0; r < R; ++r) {
       vf score = {};
-      for (int64_t g = 0; g < G; ++g)
-        score += lanes(s.data() + g, G, t, count) * acc[r * G + g] +
-                 lanes(z.data() + g, G, t, count) * qsum[r * G + g];
+      for (int64_t g = 0; g < G; ++g) score += sl[g] * acc[r * G + g] + zl[g] * qsum[r * G + g];
       for (int j = 0; j < count; ++j) out[r * ld + t + j] = score[j];
     }
   }
@@ -248,15 +263,14 @@ void token_values(const Part& pt, int64_t b, int64_t h, const float* p, int64_t 
   const int64_t D = pt.D, gs = pt.group, G = D / gs, n = pt.n;
   auto [s, z] = scales_of(pt, b, h, n, G);
   const uint8_t* base = pt.a.at(b, h);
-  std::vector<vf> acc(R * D), pz(R * G), ps(R * G);
+  std::vector<vf> acc(R * D), pz(R * G), ps(R * G), sl(G), zl(G);
   for (int64_t t = 0; t < n; t += L) {
     const int64_t count = std::min<int64_t>(L, n - t);
+    for (int64_t g = 0; g < G; ++g)
+      sl[g] = lanes(s.data() + g, G, t, count), zl[g] = lanes(z.data() + g, G, t, count);
     for (int64_t r = 0; r < R; ++r) {
       const vf pr = lanes(p + r * ld, 1, t, count);
-      for (int64_t g = 0; g < G; ++g) {
-        ps[r * G + g] = pr * lanes(s.data() + g, G, t, count);
-        pz[r * G + g] += pr * lanes(z.data() + g, G, t, count);
-      }
+      for (int64_t g = 0; g < G; ++g) ps[r * G + g] = pr * sl[g], pz[r * G + g] += pr * zl[g];
     }
     for_each_word<BITS, TABLE>(pt, base, t, count, [&](int64_t d, int64_t g, const vf* lv) {
       for (int k = 0; k < 32 / BITS; ++k)
@@ -268,9 +282,6 @@ void token_values(const Part& pt, int64_t b, int64_t h, const float* p, int64_t 
       out[r * D + d] += lane_sum(acc[r * D + d]) + lane_sum(pz[r * G + d / gs]);
 }
 
-// p @ V of a token part, lanes over the dims of one token's code row (no gathers):
-// lane i of byte block j, phase k holds dim (L * j + i) * (8 / BITS) + k. Rows of whole
-// blocks of L bytes and at most L groups; other token parts take token_values.
 typedef uint8_t vb __attribute__((vector_size(L)));
 
 // L bytes as L words (GCC's generic conversion extracted them one by one).
@@ -285,6 +296,96 @@ inline vu widen(const uint8_t* p) {
 #endif
 }
 
+// Rows r0..r0+RN of p @ V for the code blocks of tokens t0..t1, accumulated in acc
+// [blocks][RN][per] (registers for one block at a time: RN * per vectors).
+template <int BITS, bool TABLE, int RN>
+void value_rows_block(const Part& pt, const uint8_t* base, const std::vector<float>& s,
+                      const std::vector<vi>& group_of, const float* p, int64_t ld,
+                      int64_t t0, int64_t t1, vf* acc) {
+  constexpr int per = 8 / BITS;
+  const int64_t gs = pt.group, G = pt.D / gs, blocks = pt.D / per / L;
+  const bool whole = gs % (L * per) == 0;  // each block inside one group: scale the weights
+  for (int64_t j = 0; j < blocks; ++j) {
+    vf a[RN][per];
+    for (int r = 0; r < RN; ++r)
+      for (int k = 0; k < per; ++k) a[r][k] = acc[(j * RN + r) * per + k];
+    for (int64_t t = t0; t < t1; ++t) {
+      const vu wide = widen(base + t * pt.a.stride[2] + L * j);
+      if (whole) {
+        const float sc = s[t * G + L * per * j / gs];
+        for (int k = 0; k < per; ++k) {  // scaled once, not once per row
+          const vf lv = levels<BITS, TABLE>(wide, k, pt.table) * sc;
+          for (int r = 0; r < RN; ++r) a[r][k] += p[r * ld + t] * lv;
+        }
+        continue;
+      }
+      vf srow;  // lanes past G hold the next tokens' scales, never selected
+      std::memcpy(&srow, s.data() + t * G, sizeof(vf));
+      for (int k = 0; k < per; ++k) {
+#if defined(__GNUC__) && !defined(__clang__)
+        const vf sv = __builtin_shuffle(srow, group_of[j * per + k]);
+#else
+        vf sv;
+        for (int i = 0; i < L; ++i) sv[i] = srow[group_of[j * per + k][i]];
+#endif
+        const vf lv = sv * levels<BITS, TABLE>(wide, k, pt.table);
+        for (int r = 0; r < RN; ++r) a[r][k] += p[r * ld + t] * lv;
+      }
+    }
+    for (int r = 0; r < RN; ++r)
+      for (int k = 0; k < per; ++k) acc[(j * RN + r) * per + k] = a[r][k];
+  }
+}
+
+template <int BITS, bool TABLE, int RN>
+void value_rows(const Part& pt, const uint8_t* base, const std::vector<float>& s,
+                const std::vector<vi>& group_of, const float* p, int64_t ld, float* out) {
+  constexpr int per = 8 / BITS;
+  // Tokens in chunks whose code rows stay in the cache while every block reads them.
+  constexpr int64_t kChunk = 256;
+  const int64_t D = pt.D, blocks = D / per / L;
+  std::vector<vf> acc(blocks * RN * per, vf{});
+  for (int64_t t = 0; t < pt.n; t += kChunk)
+    value_rows_block<BITS, TABLE, RN>(pt, base, s, group_of, p, ld, t,
+                                      std::min(pt.n, t + kChunk), acc.data());
+  for (int r = 0; r < RN; ++r)
+    for (int64_t j = 0; j < blocks; ++j)
+      for (int k = 0; k < per; ++k)
+        for (int i = 0; i < L; ++i)
+          out[r * D + (L * j + i) * per + k] += acc[(j * RN + r) * per + k][i];
+}
+
+// p @ V of a token part, lanes over the dims of one token's code row (no gathers):
+// lane i of byte block j, phase k holds dim (L * j + i) * (8 / BITS) + k. Rows of whole
+// blocks of L bytes and at most L groups; other token parts take token_values. The query
+// rows go in blocks of at most kRowBlock, each block's sums held in registers.
+constexpr int kRowBlock = 6;
+
+// out[r, d] += sum_t p[r, t] z[t, d / gs] for G <= L groups: token t's biases are one
+// vector (z holds L floats past its end), each row's sums a vector in registers (a sum per
+// group updated token by token was half of a value part's time).
+template <int RN>
+void add_bias_rows(const float* z, int64_t G, int64_t gs, int64_t n, const float* p,
+                   int64_t ld, float* out) {
+  vf acc[RN] = {};
+  vf zt;
+  for (int64_t t = 0; t < n; ++t) {
+    std::memcpy(&zt, z + t * G, sizeof(vf));
+    for (int r = 0; r < RN; ++r) acc[r] += p[r * ld + t] * zt;
+  }
+  for (int r = 0; r < RN; ++r)
+    for (int64_t d = 0; d < G * gs; ++d) out[r * G * gs + d] += acc[r][d / gs];
+}
+
+void add_bias_sums(const std::vector<float>& z, int64_t G, int64_t gs, int64_t n,
+                   const float* p, int64_t ld, int64_t R, float* out) {
+  constexpr int kRows = 8;
+  int64_t r = 0;
+  for (; r + kRows <= R; r += kRows)
+    add_bias_rows<kRows>(z.data(), G, gs, n, p + r * ld, ld, out + r * G * gs);
+  for (; r < R; ++r) add_bias_rows<1>(z.data(), G, gs, n, p + r * ld, ld, out + r * G * gs);
+}
+
 template <int BITS, bool TABLE>
 void token_values_rows(const Part& pt, int64_t b, int64_t h, const float* p, int64_t ld,
                        int64_t R, float* out) {
@@ -296,45 +397,22 @@ void token_values_rows(const Part& pt, int64_t b, int64_t h, const float* p, int
     for (int k = 0; k < per; ++k)
       for (int i = 0; i < L; ++i) group_of[j * per + k][i] = ((L * j + i) * per + k) / gs;
   const uint8_t* base = pt.a.at(b, h);
-  std::vector<vf> acc(R * blocks * per);
-  std::vector<float> shift(R * G, 0.f);
-  for (int64_t t = 0; t < n; ++t) {
-    const uint8_t* row = base + t * pt.a.stride[2];
-    vf srow;  // lanes past G hold the next tokens' scales, never selected
-    std::memcpy(&srow, s.data() + t * G, sizeof(vf));
-    for (int64_t j = 0; j < blocks; ++j) {
-      const vu wide = widen(row + L * j);
-      if (gs % (L * per) == 0) {  // the block is inside one group: scale the weights
-        const int64_t g = L * per * j / gs;
-        for (int k = 0; k < per; ++k) {
-          const vf lv = levels<BITS, TABLE>(wide, k, pt.table);
-          for (int64_t r = 0; r < R; ++r)
-            acc[(r * blocks + j) * per + k] += (p[r * ld + t] * s[t * G + g]) * lv;
-        }
-        continue;
-      }
-      for (int k = 0; k < per; ++k) {
-#if defined(__GNUC__) && !defined(__clang__)
-        const vf sv = __builtin_shuffle(srow, group_of[j * per + k]);
-#else
-        vf sv;
-        for (int i = 0; i < L; ++i) sv[i] = srow[group_of[j * per + k][i]];
-#endif
-        const vf lv = sv * levels<BITS, TABLE>(wide, k, pt.table);
-        for (int64_t r = 0; r < R; ++r) acc[(r * blocks + j) * per + k] += p[r * ld + t] * lv;
-      }
+  const int64_t row_blocks = (R + kRowBlock - 1) / kRowBlock;
+  for (int64_t r0 = 0, i = 0; i < row_blocks; ++i) {
+    const int64_t rn = (R - r0) / (row_blocks - i);  // even blocks: 9 rows as 5 and 4
+    const float* pr = p + r0 * ld;
+    float* o = out + r0 * D;
+    switch (rn) {
+      case 1: value_rows<BITS, TABLE, 1>(pt, base, s, group_of, pr, ld, o); break;
+      case 2: value_rows<BITS, TABLE, 2>(pt, base, s, group_of, pr, ld, o); break;
+      case 3: value_rows<BITS, TABLE, 3>(pt, base, s, group_of, pr, ld, o); break;
+      case 4: value_rows<BITS, TABLE, 4>(pt, base, s, group_of, pr, ld, o); break;
+      case 5: value_rows<BITS, TABLE, 5>(pt, base, s, group_of, pr, ld, o); break;
+      default: value_rows<BITS, TABLE, kRowBlock>(pt, base, s, group_of, pr, ld, o); break;
     }
-    if (pt.has_bias)
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t g = 0; g < G; ++g) shift[r * G + g] += p[r * ld + t] * z[t * G + g];
+    r0 += rn;
   }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < blocks; ++j)
-      for (int k = 0; k < per; ++k)
-        for (int i = 0; i < L; ++i) {
-          const int64_t d = (L * j + i) * per + k;
-          out[r * D + d] += acc[(r * blocks + j) * per + k][i] + shift[r * G + d / gs];
-        }
+  if (pt.has_bias) add_bias_sums(z, G, gs, n, p, ld, R, out);
 }
 
 // Scores of a channel part: lane j of word block w holds tokens (w + j) * per + k.
@@ -549,19 +627,24 @@ void placed_keys(const Part& pt, int64_t b, int64_t h, const std::vector<float>&
     for (int64_t t = 0; t < pt.n; ++t) out[r * ld + t] += shift[r];
 }
 
-// p @ V of a value part added into output dims [ooff, ooff + D) of acc (stride Dout), and
-// its probability mass into dim ooff + D.
+// R rows of a value part's p @ V (own [R, D]) added into output dims [ooff, ooff + D) of
+// acc (stride Dout), and the part's probability mass into dim ooff + D.
+void place_values(const Part& pt, const float* own, const float* p, int64_t ld, int64_t R,
+                  float* acc, int64_t Dout) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* o = acc + r * Dout + pt.ooff;
+    for (int64_t d = 0; d < pt.D; ++d) o[d] += own[r * pt.D + d];
+    if (pt.extras & kMass) o[pt.D] += std::accumulate(p + r * ld, p + r * ld + pt.n, 0.f);
+  }
+}
+
 void placed_values(const Part& pt, int64_t b, int64_t h, const float* p, int64_t ld, int64_t R,
                    float* acc, int64_t Dout) {
   if (pt.ooff == 0 && pt.D == Dout && !(pt.extras & kMass))
     return values_into(pt, b, h, p, ld, R, acc);
   std::vector<float> own(R * pt.D, 0.f);
   values_into(pt, b, h, p, ld, R, own.data());
-  for (int64_t r = 0; r < R; ++r) {
-    float* o = acc + r * Dout + pt.ooff;
-    for (int64_t d = 0; d < pt.D; ++d) o[d] += own[r * pt.D + d];
-    if (pt.extras & kMass) o[pt.D] += std::accumulate(p + r * ld, p + r * ld + pt.n, 0.f);
-  }
+  place_values(pt, own.data(), p, ld, R, acc, Dout);
 }
 
 // One sequence's parts: every query row's own (a batch of conversations), or one set whose
@@ -615,14 +698,10 @@ std::vector<float> scores_for_all_heads(const Plan& pl, int64_t b, int64_t pb, c
   for (int64_t h = 0; h < pl.H; ++h)
     part_queries(pt, load_matrix(pl.q, b, h, R, pl.D).data(), R, pl.D, q.data() + h * R * pt.D);
   const int64_t step = (pt.n + threads * L - 1) / (threads * L) * L;  // whole lane blocks
-  auto work = [&](int w) {
+  on_threads(threads, [&](int w) {
     const int64_t t0 = w * step, t1 = std::min(pt.n, t0 + step);
     if (t0 < t1) keys_into(tokens(pt, t0, t1), pb, 0, q.data(), HR, sc.data() + t0, pt.n);
-  };
-  std::vector<std::thread> pool;
-  for (int w = 1; w < threads; ++w) pool.emplace_back(work, w);
-  work(0);
-  for (auto& t : pool) t.join();
+  });
   return sc;
 }
 
@@ -637,39 +716,121 @@ Shared shared_scores(const Plan& pl, int threads) {
   return out;
 }
 
-void attend_head(const Plan& pl, const Shared& shared, int64_t b, int64_t h, float* out) {
+// Head (b, h)'s rows: exponentiated scores over every key part into sc [R, S], their
+// sums returned.
+std::vector<float> head_probs(const Plan& pl, const Shared& shared, int64_t b, int64_t h,
+                              float* sc) {
   const bool own = pl.rows.size() > 1;
   const Parts& ps = pl.rows[own ? b : 0];
   const int64_t R = pl.R, S = ps.S, pb = own ? 0 : b;
   const auto q = load_matrix(pl.q, b, h, R, pl.D);
-  std::vector<float> sc(R * S), acc(R * pl.Dv, 0.f);
   int64_t off = 0;
   for (size_t i = 0; i < ps.keys.size(); ++i) {
     const auto& pt = ps.keys[i];
     const auto& pre = shared[b][i];
-    placed_keys(pt, pb, h, q, pl.D, R, sc.data() + off, S, pre.empty() ? nullptr : pre.data());
+    placed_keys(pt, pb, h, q, pl.D, R, sc + off, S, pre.empty() ? nullptr : pre.data());
     off += pt.n;
   }
-  if (pl.causal > 0) mask_causal(sc.data(), R, S, pl.causal);
-  const auto den = exp_rows(sc.data(), R, S);
-  off = 0;
-  for (const auto& pt : ps.values)
-    placed_values(pt, pb, h, sc.data() + off, S, R, acc.data(), pl.Dv), off += pt.n;
+  if (pl.causal > 0) mask_causal(sc, R, S, pl.causal);
+  return exp_rows(sc, R, S);
+}
+
+// Head (b, h)'s value parts into acc [R, Dv], but those `skip` marks (read for every head
+// at once).
+void head_values(const Plan& pl, int64_t b, int64_t h, const float* sc, float* acc,
+                 const std::vector<char>& skip) {
+  const bool own = pl.rows.size() > 1;
+  const Parts& ps = pl.rows[own ? b : 0];
+  int64_t off = 0;
+  for (size_t i = 0; i < ps.values.size(); ++i) {
+    const auto& pt = ps.values[i];
+    if (skip.empty() || !skip[i])
+      placed_values(pt, own ? 0 : b, h, sc + off, ps.S, pl.R, acc, pl.Dv);
+    off += pt.n;
+  }
+}
+
+void normalize(const float* acc, const std::vector<float>& den, int64_t R, int64_t Dv, float* out) {
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t d = 0; d < pl.Dv; ++d) out[r * pl.Dv + d] = acc[r * pl.Dv + d] / den[r];
+    for (int64_t d = 0; d < Dv; ++d) out[r * Dv + d] = acc[r * Dv + d] / den[r];
+}
+
+void attend_head(const Plan& pl, const Shared& shared, int64_t b, int64_t h, float* out) {
+  const int64_t S = pl.rows[pl.rows.size() > 1 ? b : 0].S;
+  std::vector<float> sc(pl.R * S), acc(pl.R * pl.Dv, 0.f);
+  const auto den = head_probs(pl, shared, b, h, sc.data());
+  head_values(pl, b, h, sc.data(), acc.data(), {});
+  normalize(acc.data(), den, pl.R, pl.Dv, out);
+}
+
+// Value parts one view shared by the KV heads (a low-rank token factor), where every head's
+// scores fit kSharedScores floats: their codes are then unpacked once for all heads' rows.
+constexpr int64_t kSharedScores = int64_t{1} << 21;
+
+std::vector<char> values_shared(const Plan& pl, const Parts& ps) {
+  std::vector<char> out;
+  if (pl.H * pl.R * ps.S > kSharedScores) return out;
+  bool any = false;
+  for (const auto& pt : ps.values) out.push_back(shared_by_heads(pl, pt)), any |= out.back();
+  if (!any) out.clear();
+  return out;
+}
+
+// Batch row b in two phases: every head's scores and own value parts (heads split between
+// the threads), then each shared value part for all heads' rows at once (tokens split).
+void attend_row_shared(const Plan& pl, const Shared& shared, int64_t b, float* out, int threads,
+                       const std::vector<char>& skip) {
+  const bool own = pl.rows.size() > 1;
+  const Parts& ps = pl.rows[own ? b : 0];
+  const int64_t H = pl.H, R = pl.R, S = ps.S, HR = H * R;
+  std::vector<float> sc(HR * S), acc(HR * pl.Dv, 0.f);
+  std::vector<std::vector<float>> den(H);
+  const int nt = static_cast<int>(std::min<int64_t>(threads, H));
+  on_threads(nt, [&](int w) {
+    for (int64_t h = w; h < H; h += nt) {
+      den[h] = head_probs(pl, shared, b, h, sc.data() + h * R * S);
+      head_values(pl, b, h, sc.data() + h * R * S, acc.data() + h * R * pl.Dv, skip);
+    }
+  });
+  int64_t off = 0;
+  for (size_t i = 0; i < ps.values.size(); off += ps.values[i].n, ++i) {
+    if (!skip[i]) continue;
+    const Part& pt = ps.values[i];
+    const int64_t step = (pt.n + threads - 1) / threads;
+    std::vector<std::vector<float>> part(threads, std::vector<float>(HR * pt.D, 0.f));
+    on_threads(threads, [&](int w) {
+      const int64_t t0 = w * step, t1 = std::min(pt.n, t0 + step);
+      if (t0 < t1)
+        values_into(tokens(pt, t0, t1), own ? 0 : b, 0, sc.data() + off + t0, S, HR,
+                    part[w].data());
+    });
+    for (int w = 1; w < threads; ++w)
+      for (int64_t k = 0; k < HR * pt.D; ++k) part[0][k] += part[w][k];
+    place_values(pt, part[0].data(), sc.data() + off, S, HR, acc.data(), pl.Dv);
+  }
+  for (int64_t h = 0; h < H; ++h)
+    normalize(acc.data() + h * R * pl.Dv, den[h], R, pl.Dv, out + (b * H + h) * R * pl.Dv);
 }
 
 void run(const Plan& pl, float* out, int threads) {
-  const int64_t heads = pl.B * pl.H;
   const Shared shared = shared_scores(pl, threads);
-  auto work = [&](int w) {
-    for (int64_t i = w; i < heads; i += threads)
-      attend_head(pl, shared, i / pl.H, i % pl.H, out + i * pl.R * pl.Dv);
-  };
-  std::vector<std::thread> pool;
-  for (int w = 1; w < threads && w < heads; ++w) pool.emplace_back(work, w);
-  work(0);
-  for (auto& t : pool) t.join();
+  std::vector<int64_t> per_head;  // batch rows without shared value parts
+  for (int64_t b = 0; b < pl.B; ++b) {
+    const auto skip = values_shared(pl, pl.rows[pl.rows.size() > 1 ? b : 0]);
+    if (skip.empty()) {
+      for (int64_t h = 0; h < pl.H; ++h) per_head.push_back(b * pl.H + h);
+    } else {
+      attend_row_shared(pl, shared, b, out, threads, skip);
+    }
+  }
+  const int64_t n = static_cast<int64_t>(per_head.size());
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
+  on_threads(nt, [&](int w) {
+    for (int64_t i = w; i < n; i += nt) {
+      const int64_t bh = per_head[i];
+      attend_head(pl, shared, bh / pl.H, bh % pl.H, out + bh * pl.R * pl.Dv);
+    }
+  });
 }
 
 // Fills the parts' views and sizes from the op's inputs (inputs[0] is the queries).
@@ -901,10 +1062,119 @@ mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& arr
                    inputs);
 }
 
+// ---- token-coded rows as floats (the transient a cache reads where no op takes codes) ----
+
+// Row i's first element of a over its leading axes (any strides), in elements.
+int64_t row_offset(const mx::array& a, int64_t i) {
+  int64_t off = 0;
+  for (int k = static_cast<int>(a.ndim()) - 2; k >= 0; --k)
+    off += (i % a.shape(k)) * a.strides()[k], i /= a.shape(k);
+  return off;
+}
+
+// One row of codes (D values, little-endian words) as floats: code * scale + bias, in
+// blocks of L values of one group (lane i: byte i * BITS / 8, shifted by i * BITS % 8).
+template <int BITS>
+void decode_row(const uint8_t* codes, const float* s, const float* z, int64_t D, int64_t gs,
+                float* out) {
+  vb idx;
+  vu shift;
+  for (int i = 0; i < L; ++i) idx[i] = i * BITS / 8, shift[i] = i * BITS % 8;
+  for (int64_t d = 0; d < D; d += L) {
+    vb bytes = {};
+    std::memcpy(&bytes, codes + d * BITS / 8, L * BITS / 8);
+    const vu code = (__builtin_convertvector(__builtin_shuffle(bytes, idx), vu) >> shift) &
+                    ((1u << BITS) - 1);
+    const vf v = __builtin_convertvector(code, vf) * s[d / gs] + z[d / gs];
+    std::memcpy(out + d, &v, sizeof(vf));
+  }
+}
+
+class DecodeRows : public mx::Primitive {
+ public:
+  DecodeRows(mx::Stream st, int bits, int group, int threads)
+      : mx::Primitive(st), bits_(bits), group_(group), threads_(threads) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto& out = outs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    for (const auto& a : in)
+      if (a.strides().back() != 1)
+        throw std::invalid_argument("veloxquant native: codes and scales must be contiguous "
+                                    "along their last axis");
+    enc.dispatch([in, out_ptr = out.data<float>(), D = out.shape().back(), bits = bits_,
+                  gs = group_, threads = threads_]() { run_rows(in, out_ptr, D, bits, gs, threads); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("veloxquant's row decoding runs on the CPU only");
+  }
+
+  const char* name() const override { return "VeloxquantDecodeRows"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DecodeRows&>(other);
+    return bits_ == o.bits_ && group_ == o.group_ && threads_ == o.threads_;
+  }
+
+ private:
+  static void run_rows(const std::vector<mx::array>& in, float* out, int64_t D, int bits,
+                       int64_t gs, int threads) {
+    const auto &codes = in[0], &s = in[1], &z = in[2];
+    const int64_t rows = static_cast<int64_t>(codes.size() / codes.shape().back()), G = D / gs;
+    View sv, zv;  // only their dtypes: rows are found by row_offset
+    sv.dtype = s.dtype(), zv.dtype = z.dtype();
+    on_threads(threads, [&](int w) {
+      std::vector<float> sf(G), zf(G);
+      for (int64_t i = w; i < rows; i += threads) {
+        load(sv, s.data<uint8_t>() + row_offset(s, i) * s.itemsize(), s.itemsize(), G, sf.data());
+        load(zv, z.data<uint8_t>() + row_offset(z, i) * z.itemsize(), z.itemsize(), G, zf.data());
+        const uint8_t* c = codes.data<uint8_t>() + row_offset(codes, i) * codes.itemsize();
+        float* o = out + i * D;
+        switch (bits) {
+          case 1: decode_row<1>(c, sf.data(), zf.data(), D, gs, o); break;
+          case 2: decode_row<2>(c, sf.data(), zf.data(), D, gs, o); break;
+          case 4: decode_row<4>(c, sf.data(), zf.data(), D, gs, o); break;
+          default: decode_row<8>(c, sf.data(), zf.data(), D, gs, o); break;
+        }
+      }
+    });
+  }
+
+  int bits_, group_, threads_;
+};
+
+mx::array floats_of(const mx::array& codes, const mx::array& scales, const mx::array& biases,
+                      int bits, int group, int threads) {
+  check(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8");
+  check(codes.ndim() >= 1 && !mx::issubdtype(codes.dtype(), mx::floating),
+        "codes must be unsigned integers");
+  check(is_float(scales.dtype()) && scales.shape() == biases.shape() &&
+            biases.dtype() == scales.dtype(),
+        "scales and biases must be floats of one shape");
+  const int64_t D = static_cast<int64_t>(codes.shape().back()) * codes.itemsize() * 8 / bits;
+  check(group > 0 && group % L == 0 && D % group == 0, "group must divide the row, in blocks of 16");
+  auto shape = codes.shape();
+  auto want = shape;
+  want.back() = static_cast<int>(D / group);
+  check(scales.shape() == want, "scales must be [..., D / group]");
+  shape.back() = static_cast<int>(D);
+  check(threads >= 1, "threads must be at least 1");
+  return mx::array(shape, mx::float32,
+                   std::make_shared<DecodeRows>(mx::to_stream(mx::Device::cpu), bits, group,
+                                                threads),
+                   {codes, scales, biases});
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
   m.doc() = "veloxquant_mlx's fused CPU decode attention over stored parts.";
   m.def("decode_attention", &decode_attention, "q"_a, "arrays"_a, "spec"_a, "counts"_a,
         "threads"_a = 1, "causal"_a = 0);
+  m.def("floats_of", &floats_of, "codes"_a, "scales"_a, "biases"_a, "bits"_a, "group"_a,
+        "threads"_a = 1);
 }

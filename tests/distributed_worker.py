@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE))
 
 import mlx.core as mx  # noqa: E402
 from conftest import LOSSLESS_OPTIONS, PROMPT  # noqa: E402
-from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.generate import generate_step, generation_stream  # noqa: E402
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from veloxquant_mlx.adapter.builder import cache_stats  # noqa: E402
@@ -93,6 +93,8 @@ def method_options(pipeline: bool) -> dict[str, dict[str, Any]]:
 
 
 def quiet_memory() -> int:
+    # Work still running on generate_step's stream holds transients: let it end first.
+    mx.synchronize(generation_stream)
     gc.collect()
     mx.clear_cache()
     return mx.get_active_memory()

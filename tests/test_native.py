@@ -380,17 +380,31 @@ def test_factor_space_parts_give_the_dense_result(rows: int) -> None:
     assert _close(o[..., :D] + o[..., D:D + r] @ bv + o[..., D + r:] * mv, want) > 1e-3
 
 
-def test_a_part_shared_by_the_heads_gives_what_each_head_copy_gives() -> None:
-    # A view with head stride 0 is scored once for every head's rows (threads split its
-    # tokens); the same codes copied per head go through each head's own pass.
+@pytest.mark.parametrize("rows", [3, 12])
+def test_a_part_shared_by_the_heads_gives_what_each_head_copy_gives(rows: int) -> None:
+    # A view with head stride 0 is read once for every head's rows (threads split its
+    # tokens): as keys, scored for all heads; as values, after every head's softmax. The
+    # same codes copied per head go through each head's own pass.
     n = native.THREADED_KEYS + 40
-    shared = _factor(n, D, 50)
-    copied = q.Quantized(*(mx.concatenate([a[:, :1]] * H, axis=1) for a in shared.arrays), 4, 32)
-    values = [token_codes(q.quantize(_normal(n, 51), 4, 32))]
-    qh = mx.random.normal((B, H, 3, D), key=mx.random.key(52))
-    one = native.decode(qh, [token_codes(shared)], values)
-    other = native.decode(qh, [token_codes(copied)], values)
-    assert _close(one, other) < 1e-6
+    shared_k, shared_v = _factor(n, D, 50), _factor(n, D, 51)
+
+    def copied(x: q.Quantized) -> q.Quantized:
+        return q.Quantized(*(mx.concatenate([a[:, :1]] * H, axis=1) for a in x.arrays), 4, 32)
+
+    win = _normal(7, 53)
+    qh = mx.random.normal((B, H, rows, D), key=mx.random.key(52))
+
+    def run(k: q.Quantized, v: q.Quantized) -> mx.array:
+        values = [native.Placed(token_codes(v), ooff=D, mass=True), DensePart(win)]
+        return native.decode(qh, [token_codes(k), DensePart(win)], values)
+
+    want = run(copied(shared_k), copied(shared_v))
+    assert want.shape == (B, H, rows, 2 * D + 1)
+    # Within float32's order of summation (the threads' partial sums).
+    assert _close(run(shared_k, copied(shared_v)), want) < 1e-5
+    assert _close(run(shared_k, shared_v), want) < 1e-5
+    # Another head's codes in place of the shared ones change the result visibly.
+    assert _close(run(shared_k, _factor(n, D, 54)), want) > 1e-2
 
 
 @pytest.mark.parametrize("traditional", [False, True])
@@ -414,3 +428,32 @@ def test_a_rotated_dense_part_gives_attention_over_rope_keys(traditional: bool,
     # Unrotated keys differ visibly: the bound would catch a rotation left out.
     plain = native.decode(qh, [DensePart(k)], [token_codes(q.quantize(v, 8, 32))])
     assert _close(plain, want) > 1e-3
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("scales", [mx.float16, mx.float32])
+def test_token_codes_decode_to_mlx_values(bits: int, group: int, scales: mx.Dtype) -> None:
+    # The one-op decoding of token-coded rows (ops.factors.load_rows on the CPU) gives
+    # what MLX's dequantize gives, on a long store (two threads) and a view into one.
+    x = mx.random.normal((2, 1, native.THREADED_VALUES // 256 + 7, 256), key=mx.random.key(60))
+    qt = q.quantize(x, bits, group)
+    qt = q.Quantized(qt.codes, qt.scales.astype(scales), qt.biases.astype(scales), bits, group)
+    want = q.dequantize(qt, mx.float32)
+    got = native.floats_of(qt)
+    assert got is not None and got.shape == want.shape and got.dtype == mx.float32
+    assert mx.array_equal(got, want)
+    view = q.Quantized(*(mx.broadcast_to(a[:, :, 5:40], (2, 3, 35, a.shape[-1]))
+                         for a in qt.arrays), bits, group)
+    assert mx.array_equal(native.floats_of(view), q.dequantize(view, mx.float32))
+    # A wrong bias would be seen: the bound is exact equality.
+    off = q.Quantized(qt.codes, qt.scales, qt.biases + 0.001, bits, group)
+    assert not mx.array_equal(native.floats_of(off), want)
+
+
+def test_token_codes_the_op_cannot_decode_take_mlx_ops() -> None:
+    qt = q.quantize(mx.random.normal((4, 64)), 4, 32)
+    odd = q.Quantized(qt.codes, qt.scales, qt.biases, 4, 8)  # groups of 8: not whole blocks
+    assert native.floats_of(odd) is None
+    with pytest.raises(ValueError, match="group must divide the row"):
+        native._native.floats_of(qt.codes, qt.scales, qt.biases, 4, 24)

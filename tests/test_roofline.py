@@ -92,6 +92,11 @@ def test_the_limit_is_set_by_bytes_or_by_flops_whichever_binds() -> None:
     # 22,000 FLOPs at 1e10/s (2.2 us) outweigh its 700 bytes at 1e9/s (0.7 us).
     assert heavy["roofline_limit"] == pytest.approx(1.0 / 2.2)
     assert heavy["of_limit"] == pytest.approx(0.5 * 2.2)
+    # One phase after the other: weights 0.6 us, then dense's attention 0.4 us against
+    # the heavy one's 2.0 us of FLOPs.
+    assert heavy["serial_limit"] == pytest.approx(1.0 / 2.6)
+    assert small["serial_limit"] == pytest.approx(1.0 / 0.7)
+    assert heavy["of_serial"] == pytest.approx(0.5 * 2.6)
 
 
 def test_machine_rates_are_measured() -> None:

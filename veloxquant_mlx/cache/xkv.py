@@ -561,7 +561,7 @@ class XKVCache(CompressedCache):
             bv, mv = self._member("values", j)
             values.append(native.Placed(self._rows_part("values", j, n), ooff=out_width,
                                         mass=True))
-            factors.append((out_width, bv, mv))
+            factors += [bv, mv]
             out_width += bv.shape[-2] + 1
         if self.win_k is not None:
             keys.append(DensePart(self.win_k))
@@ -570,10 +570,10 @@ class XKVCache(CompressedCache):
                           causal)
         if o is None:
             return None
+        # Each basis's columns are p a then its mass: one product with [B_h; m_h] stacked.
         out = o[..., :hv]
-        for off, bv, mv in factors:
-            r = bv.shape[-2]
-            out = out + o[..., off:off + r] @ bv + o[..., off + r:off + r + 1] * mv
+        if factors:
+            out = out + o[..., hv:] @ mx.concatenate(factors, axis=-2)
         return out.reshape(B, Hq, L, hv).astype(queries.dtype)
 
     def _attend_ops(self, queries: mx.array, scale: float, mask: Any) -> mx.array:

@@ -141,7 +141,8 @@ class XProjection:
         """Pre-RoPE ``[B, n_kv_heads, S, head_dim]`` keys from ``encode``'s form (floats,
         or the cache's codes of it)."""
         if self.latent:
-            k = (fr.load_rows(parts[0]) * self.sk) @ self.vk.T
+            # Z diag(s) V^T with the scales on the small factor: no pass over Z.
+            k = fr.load_rows(parts[0]) @ (self.sk[:, None] * self.vk.T)
             k = k if self.bk is None else k + self.bk
         else:
             k = self.attn.k_proj(fr.load_rows(parts[0])).astype(mx.float32)

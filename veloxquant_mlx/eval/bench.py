@@ -21,7 +21,10 @@ read rate and matmul rate (``machine_rates``), a step takes at least
 ``max(bytes / read rate, FLOPs / matmul rate)``; ``roofline_limit`` is dense's bound
 over the method's, the most decode/dense could be, beside the measured
 ``decode_ratio`` and ``of_limit`` (their quotient). ``bytes_limit`` counts bytes only
-(docs/cpu-performance.md).
+(docs/cpu-performance.md). The max assumes the weights' reading overlaps the attention's
+arithmetic; a CPU runs one op after the other, so ``serial_limit`` bounds the weights'
+matmuls and the attention each by its own max and adds them (``of_serial``: how close
+the measured step came to that).
 
 ``profile_decode`` (``python -m veloxquant_mlx.eval.bench --profile``): where the time of
 one decode step goes, per method (whole step, the model without KV, attention, decoding
@@ -176,6 +179,11 @@ def _roofline(r: dict[str, Any], dense: dict[str, Any], weights: int, flops: int
     r["roofline_limit"] = dense_t / step_bound(weights + r["accounted_bytes"],
                                                r["step_flops"], rates)
     r["of_limit"] = r["decode_ratio"] / r["roofline_limit"]
+    weights_t = step_bound(weights, flops, rates)
+    r["serial_limit"] = (
+        (weights_t + step_bound(dense["accounted_bytes"], dense["decode_flops"], rates))
+        / (weights_t + step_bound(r["accounted_bytes"], r["decode_flops"], rates)))
+    r["of_serial"] = r["decode_ratio"] / r["serial_limit"]
 
 
 def _summarize(method: Method, context: int, decode_steps: int,

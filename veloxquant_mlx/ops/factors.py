@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from veloxquant_mlx.ops import native
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.buffers import owned
 
@@ -52,6 +53,9 @@ def load_rows(x: Any) -> mx.array:
     """Float32 ``[..., T, r]`` from :func:`store_rows` (a transient)."""
     if not isinstance(x, q.Quantized):
         return x.astype(mx.float32)
+    fused = native.floats_of(x)
+    if fused is not None:
+        return fused
     if x.bits not in FAST_BITS:
         return q.dequantize(x, mx.float32)
     c = q.code_values(x, mx.float32)

@@ -133,6 +133,22 @@ def usable(dtype: mx.Dtype) -> bool:
     return available() and dtype == mx.float32 and not on_gpu()
 
 
+# Rows decoded on two threads from this many values (a layer's token factor at 4096
+# tokens is 1.5M; a member factor, 74K, takes one).
+THREADED_VALUES = 1 << 18
+
+
+def floats_of(x: Any) -> mx.array | None:
+    """Float32 ``codes * scales + biases`` of token-coded rows (``ops.quantize.Quantized``
+    along the last axis) in one op; ``None`` where it does not run (then MLX's ops).
+    On the CPU MLX's path is several ops of a few microseconds each and a pass apiece:
+    this is one pass, the codes spread into lanes a block at a time."""
+    if not usable(mx.float32) or x.bits not in (1, 2, 4, 8) or x.group_size % 16:
+        return None
+    threads = THREADS if x.codes.size * 32 // x.bits >= THREADED_VALUES else 1
+    return _native.floats_of(x.codes, x.scales, x.biases, x.bits, x.group_size, threads)
+
+
 def _plan(keys: Sequence[Any], values: Sequence[Any]
           ) -> tuple[list[int], list[mx.array], list[int]] | None:
     """Spec, arrays and part counts of one sequence's parts; None where the kernel reads
