@@ -35,9 +35,11 @@
 // floats_of: token-coded rows as float32 in one op, for caches that rebuild from codes
 // with a matmul (xKV's factors, XQuant): MLX's ops took several passes over the rows.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -47,6 +49,7 @@
 #endif
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -1076,7 +1079,7 @@ int64_t row_offset(const mx::array& a, int64_t i) {
 // blocks of L values of one group (lane i: byte i * BITS / 8, shifted by i * BITS % 8).
 template <int BITS>
 void decode_row(const uint8_t* codes, const float* s, const float* z, int64_t D, int64_t gs,
-                float* out) {
+                const float* plus, float* out) {
   vb idx;
   vu shift;
   for (int i = 0; i < L; ++i) idx[i] = i * BITS / 8, shift[i] = i * BITS % 8;
@@ -1085,7 +1088,12 @@ void decode_row(const uint8_t* codes, const float* s, const float* z, int64_t D,
     std::memcpy(&bytes, codes + d * BITS / 8, L * BITS / 8);
     const vu code = (__builtin_convertvector(__builtin_shuffle(bytes, idx), vu) >> shift) &
                     ((1u << BITS) - 1);
-    const vf v = __builtin_convertvector(code, vf) * s[d / gs] + z[d / gs];
+    vf v = __builtin_convertvector(code, vf) * s[d / gs] + z[d / gs];
+    if (plus != nullptr) {
+      vf p;
+      std::memcpy(&p, plus + d, sizeof(vf));
+      v += p;
+    }
     std::memcpy(out + d, &v, sizeof(vf));
   }
 }
@@ -1133,12 +1141,13 @@ class DecodeRows : public mx::Primitive {
         load(sv, s.data<uint8_t>() + row_offset(s, i) * s.itemsize(), s.itemsize(), G, sf.data());
         load(zv, z.data<uint8_t>() + row_offset(z, i) * z.itemsize(), z.itemsize(), G, zf.data());
         const uint8_t* c = codes.data<uint8_t>() + row_offset(codes, i) * codes.itemsize();
+        const float* p = in.size() > 3 ? in[3].data<float>() + row_offset(in[3], i) : nullptr;
         float* o = out + i * D;
         switch (bits) {
-          case 1: decode_row<1>(c, sf.data(), zf.data(), D, gs, o); break;
-          case 2: decode_row<2>(c, sf.data(), zf.data(), D, gs, o); break;
-          case 4: decode_row<4>(c, sf.data(), zf.data(), D, gs, o); break;
-          default: decode_row<8>(c, sf.data(), zf.data(), D, gs, o); break;
+          case 1: decode_row<1>(c, sf.data(), zf.data(), D, gs, p, o); break;
+          case 2: decode_row<2>(c, sf.data(), zf.data(), D, gs, p, o); break;
+          case 4: decode_row<4>(c, sf.data(), zf.data(), D, gs, p, o); break;
+          default: decode_row<8>(c, sf.data(), zf.data(), D, gs, p, o); break;
         }
       }
     });
@@ -1148,7 +1157,7 @@ class DecodeRows : public mx::Primitive {
 };
 
 mx::array floats_of(const mx::array& codes, const mx::array& scales, const mx::array& biases,
-                      int bits, int group, int threads) {
+                    int bits, int group, int threads, std::optional<mx::array> plus) {
   check(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8");
   check(codes.ndim() >= 1 && !mx::issubdtype(codes.dtype(), mx::floating),
         "codes must be unsigned integers");
@@ -1163,10 +1172,79 @@ mx::array floats_of(const mx::array& codes, const mx::array& scales, const mx::a
   check(scales.shape() == want, "scales must be [..., D / group]");
   shape.back() = static_cast<int>(D);
   check(threads >= 1, "threads must be at least 1");
+  std::vector<mx::array> inputs = {codes, scales, biases};
+  if (plus) {  // added as it is decoded (a sum of decoded rows takes no pass of its own)
+    check(plus->dtype() == mx::float32 && plus->shape() == shape,
+          "plus must be float32 of the decoded rows' shape");
+    inputs.push_back(*plus);
+  }
   return mx::array(shape, mx::float32,
                    std::make_shared<DecodeRows>(mx::to_stream(mx::Device::cpu), bits, group,
                                                 threads),
-                   {codes, scales, biases});
+                   inputs);
+}
+
+// ---- RMS norm of float32 rows (MLX's CPU norm took a pass per op, its sum the slowest) ----
+
+class RmsRows : public mx::Primitive {
+ public:
+  RmsRows(mx::Stream st, float eps) : mx::Primitive(st), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto& out = outs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    if (in[0].strides().back() != 1 || in[1].strides().back() != 1)
+      throw std::invalid_argument("veloxquant native: rows must be contiguous along their last axis");
+    enc.dispatch([in, out_ptr = out.data<float>(), eps = eps_]() { run(in, out_ptr, eps); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("veloxquant's RMS norm runs on the CPU only");
+  }
+
+  const char* name() const override { return "VeloxquantRmsRows"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsRows&>(other).eps_;
+  }
+
+ private:
+  static void run(const std::vector<mx::array>& in, float* out, float eps) {
+    const auto &x = in[0], &w = in[1];
+    const int64_t D = x.shape().back(), rows = static_cast<int64_t>(x.size()) / D;
+    View wv;
+    wv.dtype = w.dtype();
+    std::vector<float> weight(D);
+    load(wv, w.data<uint8_t>(), w.itemsize(), D, weight.data());
+    const int64_t whole = D / L * L;
+    on_threads(rows * D >= kThreadedRows ? 2 : 1, [&](int w) {
+      for (int64_t i = w; i < rows; i += (rows * D >= kThreadedRows ? 2 : 1)) {
+        const float* r = x.data<float>() + row_offset(x, i);
+        float* o = out + i * D;
+        vf acc = {}, v;  // lanes of sums: one running sum made each add wait for the last
+        for (int64_t d = 0; d < whole; d += L) std::memcpy(&v, r + d, sizeof(vf)), acc += v * v;
+        float sum = lane_sum(acc);
+        for (int64_t d = whole; d < D; ++d) sum += r[d] * r[d];
+        const float scale = 1.f / std::sqrt(sum / static_cast<float>(D) + eps);
+        for (int64_t d = 0; d < D; ++d) o[d] = r[d] * scale * weight[d];
+      }
+    });
+  }
+
+  static constexpr int64_t kThreadedRows = int64_t{1} << 18;  // values
+
+  float eps_;
+};
+
+mx::array rms_rows(const mx::array& x, const mx::array& weight, float eps) {
+  check(x.ndim() >= 1 && x.dtype() == mx::float32, "rows must be float32");
+  check(weight.ndim() == 1 && is_float(weight.dtype()) && weight.shape(0) == x.shape().back(),
+        "weight must be floats, one per dim of a row");
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<RmsRows>(mx::to_stream(mx::Device::cpu), eps), {x, weight});
 }
 
 }  // namespace
@@ -1176,5 +1254,6 @@ NB_MODULE(_native, m) {
   m.def("decode_attention", &decode_attention, "q"_a, "arrays"_a, "spec"_a, "counts"_a,
         "threads"_a = 1, "causal"_a = 0);
   m.def("floats_of", &floats_of, "codes"_a, "scales"_a, "biases"_a, "bits"_a, "group"_a,
-        "threads"_a = 1);
+        "threads"_a = 1, "plus"_a = nb::none());
+  m.def("rms_rows", &rms_rows, "x"_a, "weight"_a, "eps"_a);
 }

@@ -457,3 +457,24 @@ def test_token_codes_the_op_cannot_decode_take_mlx_ops() -> None:
     assert native.floats_of(odd) is None
     with pytest.raises(ValueError, match="group must divide the row"):
         native._native.floats_of(qt.codes, qt.scales, qt.biases, 4, 24)
+
+
+def test_decoded_rows_add_what_they_are_given() -> None:
+    # XQuant-CL sums a layer's decoded deltas onto the layer before's reconstruction.
+    qt = q.quantize(mx.random.normal((1, 300, 256), key=mx.random.key(61)), 4, 32)
+    base = mx.random.normal((1, 300, 256), key=mx.random.key(62))
+    got = native.floats_of(qt, plus=base)
+    assert got is not None
+    assert _close(got, base + q.dequantize(qt, mx.float32)) < 1e-6
+    assert native.floats_of(qt, plus=base[:, :1]) is None  # a broadcast takes MLX's add
+
+
+def test_the_rms_norm_gives_mlx_values() -> None:
+    # XQuant-CL normalizes every held token's reconstruction at each step.
+    x = mx.random.normal((2, native.THREADED_VALUES // 500, 500), key=mx.random.key(63))
+    w = mx.random.normal((500,), key=mx.random.key(64))
+    for rows in (x, x[:, 3:40]):  # a long store (two threads) and a view into one
+        got = native.rms_norm(rows, w, 1e-5)
+        assert got is not None and _close(got, mx.fast.rms_norm(rows, w, 1e-5)) < 1e-5
+    assert _close(native.rms_norm(x, w * 2, 1e-5), mx.fast.rms_norm(x, w, 1e-5)) > 0.5
+    assert native.rms_norm(x.astype(mx.float16), w, 1e-5) is None  # float32 rows only

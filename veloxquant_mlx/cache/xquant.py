@@ -437,7 +437,7 @@ class XQuantCLCache(XQuantCache):
             prev = self.coordinator.read(self.layer.layer_idx, start, end)
             # Delta to the previous layer's reconstruction: its error is corrected here.
             self._append(h - prev[:, start:])
-            acc = prev + fr.load_rows(self.codes[0])
+            acc = fr.load_rows(self.codes[0], plus=prev)
             self.coordinator.pass_on(self.layer.layer_idx, acc)
         if not start:
             return None if joined else []

@@ -49,13 +49,19 @@ def store_rows(x: mx.array, bits: int | None) -> Any:
     return q.quantize(x, bits, ROW_GROUP)
 
 
-def load_rows(x: Any) -> mx.array:
-    """Float32 ``[..., T, r]`` from :func:`store_rows` (a transient)."""
-    if not isinstance(x, q.Quantized):
-        return x.astype(mx.float32)
-    fused = native.floats_of(x)
+def load_rows(x: Any, plus: mx.array | None = None) -> mx.array:
+    """Float32 ``[..., T, r]`` from :func:`store_rows` (a transient), plus ``plus`` if
+    given (added as the codes are decoded where the fused op runs)."""
+    fused = native.floats_of(x, plus) if isinstance(x, q.Quantized) else None
     if fused is not None:
         return fused
+    out = _decoded(x)
+    return out if plus is None else plus + out
+
+
+def _decoded(x: Any) -> mx.array:
+    if not isinstance(x, q.Quantized):
+        return x.astype(mx.float32)
     if x.bits not in FAST_BITS:
         return q.dequantize(x, mx.float32)
     c = q.code_values(x, mx.float32)
