@@ -216,7 +216,9 @@ def sweep_markdown(record: dict[str, Any], png_name: str | None = "bench.png") -
         "same minus what was alive before (the weights); roofline limit = the decode/dense "
         "a step bound by its bytes (weights + KV) or its FLOPs (matmuls + attention), at "
         "this machine's measured read and matmul rates, would reach; of limit = "
-        "decode/dense over it (docs/cpu-performance.md).",
+        "decode/dense over it; serial limit = the same with the weights' matmuls and the "
+        "attention each bound on its own and added (a CPU runs one op after the other), "
+        "of serial = decode/dense over it (docs/cpu-performance.md).",
         "", markdown_table(record["speed"], BENCH_COLUMNS), ""]
     if png_name:
         out += [f"![real memory vs quality]({png_name})", ""]
