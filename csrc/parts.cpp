@@ -896,8 +896,11 @@ class DecodeAttention : public mx::Primitive {
     pl.B = q.shape(0), pl.H = q.shape(1), pl.R = q.shape(2), pl.D = q.shape(3);
     pl.Dv = out.shape(3);
     pl.causal = causal_;
-    enc.dispatch([pl = std::move(pl), keep = in, out_ptr = out.data<float>(),
-                  threads = threads_]() { run(pl, out_ptr, threads); });
+    // Raw views only, as MLX's own CPU ops (weak copies): MLX keeps the inputs alive until
+    // the task has run.
+    enc.dispatch([pl = std::move(pl), out_ptr = out.data<float>(), threads = threads_]() {
+      run(pl, out_ptr, threads);
+    });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -1067,12 +1070,52 @@ mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& arr
 
 // ---- token-coded rows as floats (the transient a cache reads where no op takes codes) ----
 
-// Row i's first element of a over its leading axes (any strides), in elements.
-int64_t row_offset(const mx::array& a, int64_t i) {
-  int64_t off = 0;
-  for (int k = static_cast<int>(a.ndim()) - 2; k >= 0; --k)
-    off += (i % a.shape(k)) * a.strides()[k], i /= a.shape(k);
-  return off;
+// An input's rows: its data, shape and strides copied out of the array, so that the task
+// an op dispatches holds no array, as MLX's own CPU ops (weak copies): MLX keeps the
+// inputs alive until the task has run, and a task's copy would outlive that.
+struct Rows {
+  const uint8_t* data = nullptr;
+  int64_t itemsize = 4;
+  mx::Dtype dtype = mx::float32;
+  std::vector<int64_t> shape, strides;
+
+  // Row i's first element over the leading axes (any strides).
+  const uint8_t* row(int64_t i) const {
+    int64_t off = 0;
+    for (int k = static_cast<int>(shape.size()) - 2; k >= 0; --k)
+      off += (i % shape[k]) * strides[k], i /= shape[k];
+    return data + off * itemsize;
+  }
+  int64_t count() const {
+    int64_t n = 1;
+    for (size_t k = 0; k + 1 < shape.size(); ++k) n *= shape[k];
+    return n;
+  }
+  View view() const {  // for load(): only the dtype is read
+    View v;
+    v.dtype = dtype;
+    return v;
+  }
+};
+
+Rows rows_of(const mx::array& a) {
+  Rows r;
+  r.data = a.data<uint8_t>();
+  r.itemsize = static_cast<int64_t>(a.itemsize());
+  r.dtype = a.dtype();
+  r.shape.assign(a.shape().begin(), a.shape().end());
+  r.strides.assign(a.strides().begin(), a.strides().end());
+  return r;
+}
+
+std::vector<Rows> rows_of(const std::vector<mx::array>& in) {
+  std::vector<Rows> out;
+  for (const auto& a : in) {
+    if (a.strides().back() != 1)
+      throw std::invalid_argument("veloxquant native: rows must be contiguous along their last axis");
+    out.push_back(rows_of(a));
+  }
+  return out;
 }
 
 // One row of codes (D values, little-endian words) as floats: code * scale + bias, in
@@ -1109,12 +1152,10 @@ class DecodeRows : public mx::Primitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
-    for (const auto& a : in)
-      if (a.strides().back() != 1)
-        throw std::invalid_argument("veloxquant native: codes and scales must be contiguous "
-                                    "along their last axis");
-    enc.dispatch([in, out_ptr = out.data<float>(), D = out.shape().back(), bits = bits_,
-                  gs = group_, threads = threads_]() { run_rows(in, out_ptr, D, bits, gs, threads); });
+    enc.dispatch([in = rows_of(in), out_ptr = out.data<float>(), D = out.shape().back(),
+                  bits = bits_, gs = group_, threads = threads_]() {
+      run_rows(in, out_ptr, D, bits, gs, threads);
+    });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -1129,19 +1170,18 @@ class DecodeRows : public mx::Primitive {
   }
 
  private:
-  static void run_rows(const std::vector<mx::array>& in, float* out, int64_t D, int bits,
+  static void run_rows(const std::vector<Rows>& in, float* out, int64_t D, int bits,
                        int64_t gs, int threads) {
     const auto &codes = in[0], &s = in[1], &z = in[2];
-    const int64_t rows = static_cast<int64_t>(codes.size() / codes.shape().back()), G = D / gs;
-    View sv, zv;  // only their dtypes: rows are found by row_offset
-    sv.dtype = s.dtype(), zv.dtype = z.dtype();
+    const int64_t rows = codes.count(), G = D / gs;
     on_threads(threads, [&](int w) {
       std::vector<float> sf(G), zf(G);
       for (int64_t i = w; i < rows; i += threads) {
-        load(sv, s.data<uint8_t>() + row_offset(s, i) * s.itemsize(), s.itemsize(), G, sf.data());
-        load(zv, z.data<uint8_t>() + row_offset(z, i) * z.itemsize(), z.itemsize(), G, zf.data());
-        const uint8_t* c = codes.data<uint8_t>() + row_offset(codes, i) * codes.itemsize();
-        const float* p = in.size() > 3 ? in[3].data<float>() + row_offset(in[3], i) : nullptr;
+        load(s.view(), s.row(i), s.itemsize, G, sf.data());
+        load(z.view(), z.row(i), z.itemsize, G, zf.data());
+        const uint8_t* c = codes.row(i);
+        const float* p =
+            in.size() > 3 ? reinterpret_cast<const float*>(in[3].row(i)) : nullptr;
         float* o = out + i * D;
         switch (bits) {
           case 1: decode_row<1>(c, sf.data(), zf.data(), D, gs, p, o); break;
@@ -1196,9 +1236,9 @@ class RmsRows : public mx::Primitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
-    if (in[0].strides().back() != 1 || in[1].strides().back() != 1)
-      throw std::invalid_argument("veloxquant native: rows must be contiguous along their last axis");
-    enc.dispatch([in, out_ptr = out.data<float>(), eps = eps_]() { run(in, out_ptr, eps); });
+    enc.dispatch([in = rows_of(in), out_ptr = out.data<float>(), eps = eps_]() {
+      run(in, out_ptr, eps);
+    });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -1212,17 +1252,15 @@ class RmsRows : public mx::Primitive {
   }
 
  private:
-  static void run(const std::vector<mx::array>& in, float* out, float eps) {
+  static void run(const std::vector<Rows>& in, float* out, float eps) {
     const auto &x = in[0], &w = in[1];
-    const int64_t D = x.shape().back(), rows = static_cast<int64_t>(x.size()) / D;
-    View wv;
-    wv.dtype = w.dtype();
+    const int64_t D = x.shape.back(), rows = x.count();
     std::vector<float> weight(D);
-    load(wv, w.data<uint8_t>(), w.itemsize(), D, weight.data());
+    load(w.view(), w.data, w.itemsize, D, weight.data());
     const int64_t whole = D / L * L;
     on_threads(rows * D >= kThreadedRows ? 2 : 1, [&](int w) {
       for (int64_t i = w; i < rows; i += (rows * D >= kThreadedRows ? 2 : 1)) {
-        const float* r = x.data<float>() + row_offset(x, i);
+        const float* r = reinterpret_cast<const float*>(x.row(i));
         float* o = out + i * D;
         vf acc = {}, v;  // lanes of sums: one running sum made each add wait for the last
         for (int64_t d = 0; d < whole; d += L) std::memcpy(&v, r + d, sizeof(vf)), acc += v * v;

@@ -181,7 +181,10 @@ def _check_rank(kind: str, method: str, got: dict[str, Any], ref: dict[str, Any]
         where
     ratio = got["retained"] / ref["retained"]
     if kind == "tensor" and method == "xquant_cl":
-        assert 0.9 < ratio < 1.1, (where, ratio)  # X is replicated (documented, warned)
+        # X is replicated (documented, warned): about 1, against 0.5 for a sharded X. A
+        # launched rank keeps 8-20 KB beyond the caches' 189 KB here (seen with the fused
+        # ops on and off: 196,864-208,896 bytes), so 1.1 failed now and then.
+        assert 0.9 < ratio < 1.15, (where, ratio)
     elif kind == "tensor" and method == "xquant":
         assert 0.2 < ratio < 0.45, (where, ratio)  # latents and their factors shrink too
     else:
