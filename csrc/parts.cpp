@@ -868,19 +868,36 @@ std::vector<Part> bind_parts(const std::vector<int>& spec, size_t first, size_t 
   return parts;
 }
 
-class DecodeAttention : public mx::Primitive {
+// A primitive of this extension: its output allocated and registered the same way for
+// every op, and CPU only.
+class CpuOp : public mx::Primitive {
  public:
-  DecodeAttention(mx::Stream s, std::vector<int> spec, std::vector<int> counts, int threads,
-                  int causal)
-      : mx::Primitive(s), spec_(std::move(spec)), counts_(std::move(counts)), threads_(threads),
-        causal_(causal) {}
+  using mx::Primitive::Primitive;
 
-  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
-    auto& out = outs[0];
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
+  }
+
+ protected:
+  mx::cpu::CommandEncoder& encoder(const std::vector<mx::array>& in, mx::array& out) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
+    return enc;
+  }
+};
+
+class DecodeAttention : public CpuOp {
+ public:
+  DecodeAttention(mx::Stream s, std::vector<int> spec, std::vector<int> counts, int threads,
+                  int causal)
+      : CpuOp(s), spec_(std::move(spec)), counts_(std::move(counts)), threads_(threads),
+        causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto& out = outs[0];
+    auto& enc = encoder(in, out);
     Plan pl;
     size_t next = 1, first = 0;
     for (size_t i = 0; i < counts_.size(); i += 2) {
@@ -901,10 +918,6 @@ class DecodeAttention : public mx::Primitive {
     enc.dispatch([pl = std::move(pl), out_ptr = out.data<float>(), threads = threads_]() {
       run(pl, out_ptr, threads);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("veloxquant's fused decode attention runs on the CPU only");
   }
 
   const char* name() const override { return "VeloxquantDecodeAttention"; }
@@ -1141,25 +1154,18 @@ void decode_row(const uint8_t* codes, const float* s, const float* z, int64_t D,
   }
 }
 
-class DecodeRows : public mx::Primitive {
+class DecodeRows : public CpuOp {
  public:
   DecodeRows(mx::Stream st, int bits, int group, int threads)
-      : mx::Primitive(st), bits_(bits), group_(group), threads_(threads) {}
+      : CpuOp(st), bits_(bits), group_(group), threads_(threads) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     auto& out = outs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder(in, out);
     enc.dispatch([in = rows_of(in), out_ptr = out.data<float>(), D = out.shape().back(),
                   bits = bits_, gs = group_, threads = threads_]() {
       run_rows(in, out_ptr, D, bits, gs, threads);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("veloxquant's row decoding runs on the CPU only");
   }
 
   const char* name() const override { return "VeloxquantDecodeRows"; }
@@ -1226,40 +1232,33 @@ mx::array floats_of(const mx::array& codes, const mx::array& scales, const mx::a
 
 // ---- RMS norm of float32 rows (MLX's CPU norm took a pass per op, its sum the slowest) ----
 
-class RmsRows : public mx::Primitive {
+class RmsRows : public CpuOp {
  public:
-  RmsRows(mx::Stream st, float eps) : mx::Primitive(st), eps_(eps) {}
+  RmsRows(mx::Stream st, float eps, int threads) : CpuOp(st), eps_(eps), threads_(threads) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     auto& out = outs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
-    enc.dispatch([in = rows_of(in), out_ptr = out.data<float>(), eps = eps_]() {
-      run(in, out_ptr, eps);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("veloxquant's RMS norm runs on the CPU only");
+    auto& enc = encoder(in, out);
+    enc.dispatch([in = rows_of(in), out_ptr = out.data<float>(), eps = eps_,
+                  threads = threads_]() { run(in, out_ptr, eps, threads); });
   }
 
   const char* name() const override { return "VeloxquantRmsRows"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    return eps_ == static_cast<const RmsRows&>(other).eps_;
+    const auto& o = static_cast<const RmsRows&>(other);
+    return eps_ == o.eps_ && threads_ == o.threads_;
   }
 
  private:
-  static void run(const std::vector<Rows>& in, float* out, float eps) {
+  static void run(const std::vector<Rows>& in, float* out, float eps, int threads) {
     const auto &x = in[0], &w = in[1];
     const int64_t D = x.shape.back(), rows = x.count();
     std::vector<float> weight(D);
     load(w.view(), w.data, w.itemsize, D, weight.data());
     const int64_t whole = D / L * L;
-    on_threads(rows * D >= kThreadedRows ? 2 : 1, [&](int w) {
-      for (int64_t i = w; i < rows; i += (rows * D >= kThreadedRows ? 2 : 1)) {
+    on_threads(threads, [&](int w) {
+      for (int64_t i = w; i < rows; i += threads) {
         const float* r = reinterpret_cast<const float*>(x.row(i));
         float* o = out + i * D;
         vf acc = {}, v;  // lanes of sums: one running sum made each add wait for the last
@@ -1272,17 +1271,18 @@ class RmsRows : public mx::Primitive {
     });
   }
 
-  static constexpr int64_t kThreadedRows = int64_t{1} << 18;  // values
-
   float eps_;
+  int threads_;
 };
 
-mx::array rms_rows(const mx::array& x, const mx::array& weight, float eps) {
+mx::array rms_rows(const mx::array& x, const mx::array& weight, float eps, int threads) {
   check(x.ndim() >= 1 && x.dtype() == mx::float32, "rows must be float32");
+  check(threads >= 1, "threads must be at least 1");
   check(weight.ndim() == 1 && is_float(weight.dtype()) && weight.shape(0) == x.shape().back(),
         "weight must be floats, one per dim of a row");
   return mx::array(x.shape(), mx::float32,
-                   std::make_shared<RmsRows>(mx::to_stream(mx::Device::cpu), eps), {x, weight});
+                   std::make_shared<RmsRows>(mx::to_stream(mx::Device::cpu), eps, threads),
+                   {x, weight});
 }
 
 }  // namespace
@@ -1293,5 +1293,5 @@ NB_MODULE(_native, m) {
         "threads"_a = 1, "causal"_a = 0);
   m.def("floats_of", &floats_of, "codes"_a, "scales"_a, "biases"_a, "bits"_a, "group"_a,
         "threads"_a = 1, "plus"_a = nb::none());
-  m.def("rms_rows", &rms_rows, "x"_a, "weight"_a, "eps"_a);
+  m.def("rms_rows", &rms_rows, "x"_a, "weight"_a, "eps"_a, "threads"_a = 1);
 }

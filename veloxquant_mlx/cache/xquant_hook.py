@@ -187,10 +187,11 @@ class XProjection:
         row of probabilities sums to one.
         """
         B, Hq, L, D = queries.shape
-        keys = [rope.apply(self.attn.rope, self.keys(parts), start) for start, parts in segments]
-        fused = self._fused(queries, keys, segments, scale, mask)
+        raw = [(start, self.keys(parts)) for start, parts in segments]  # before RoPE
+        fused = self._fused(queries, raw, segments, scale, mask)
         if fused is not None:
             return fused
+        keys = [rope.apply(self.attn.rope, k, start) for start, k in raw]
         if not self.factored_pays(Hq * L):
             k = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
             v = [self.values(parts) for _, parts in segments]
@@ -223,24 +224,25 @@ class XProjection:
             out = out + self.bv.reshape(H, 1, -1)
         return out.reshape(B, Hq, L, -1).astype(queries.dtype)
 
-    def _fused(self, queries: mx.array, keys: list[mx.array],
+    def _fused(self, queries: mx.array, raw: list[tuple[int, mx.array]],
                segments: list[tuple[int, list[Any]]], scale: float, mask: Any
                ) -> mx.array | None:
-        """The attention in one fused CPU op (``ops.native``): the rebuilt keys as dense
-        parts (rotated by the op as it reads them where the model's RoPE is a plain
-        ``nn.RoPE``), the stored value form as parts shared by the KV heads (codes read
-        as codes); None where it does not run (then MLX's ops)."""
+        """The attention in one fused CPU op (``ops.native``): the rebuilt keys ``raw``
+        (first position, keys before RoPE) as dense parts, rotated by the op as it reads
+        them where the model's RoPE is a plain ``nn.RoPE``; the stored value form as parts
+        shared by the KV heads (codes read as codes); None where it does not run (then
+        MLX's ops)."""
         B, Hq, L, D = queries.shape
-        H = keys[0].shape[1]
-        causal = native.causal_for(queries, mask, H, sum(k.shape[2] for k in keys))
+        H = raw[0][1].shape[1]
+        causal = native.causal_for(queries, mask, H, sum(k.shape[2] for _, k in raw))
         if causal is None or not self.factored_pays(Hq * L):
             return None
         values = [shared_by_heads(parts[-1], H) for _, parts in segments]
         key_parts: list[Any] = []
-        for k, (start, parts) in zip(keys, segments):
+        for start, k in raw:
             tables = rope.module_tables(self.attn.rope, k.shape[2], start)
-            key_parts.append(DensePart(k) if tables is None else
-                             native.Placed(DensePart(self.keys(parts)), rope=tables))
+            key_parts.append(DensePart(rope.apply(self.attn.rope, k, start)) if tables is None
+                             else native.Placed(DensePart(k), rope=tables))
         q = (queries * scale).reshape(B, H, Hq // H * L, D)
         mixed = native.decode(q, key_parts, values, causal)
         return None if mixed is None else self._from_factor_space(mixed, queries)

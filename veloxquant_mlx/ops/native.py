@@ -133,9 +133,13 @@ def usable(dtype: mx.Dtype) -> bool:
     return available() and dtype == mx.float32 and not on_gpu()
 
 
-# Rows decoded on two threads from this many values (a layer's token factor at 4096
-# tokens is 1.5M; a member factor, 74K, takes one).
+# Rows decoded or normalized on two threads from this many values (a layer's token
+# factor at 4096 tokens is 1.5M; a member factor, 74K, takes one).
 THREADED_VALUES = 1 << 18
+
+
+def _threads(values: int) -> int:
+    return THREADS if values >= THREADED_VALUES else 1
 
 
 def floats_of(x: Any, plus: mx.array | None = None) -> mx.array | None:
@@ -150,8 +154,8 @@ def floats_of(x: Any, plus: mx.array | None = None) -> mx.array | None:
     if plus is not None and (plus.dtype != mx.float32 or
                              tuple(plus.shape) != (*x.codes.shape[:-1], width)):
         return None
-    threads = THREADS if x.codes.size * 32 // x.bits >= THREADED_VALUES else 1
-    return _native.floats_of(x.codes, x.scales, x.biases, x.bits, x.group_size, threads, plus)
+    return _native.floats_of(x.codes, x.scales, x.biases, x.bits, x.group_size,
+                             _threads(x.codes.size * 32 // x.bits), plus)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
@@ -160,7 +164,7 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
     not run."""
     if not usable(x.dtype) or weight.ndim != 1 or weight.shape[0] != x.shape[-1]:
         return None
-    return _native.rms_rows(x, weight, eps)
+    return _native.rms_rows(x, weight, eps, _threads(x.size))
 
 
 def _plan(keys: Sequence[Any], values: Sequence[Any]
