@@ -22,7 +22,11 @@
 // places parts in the rows: a key part reads dims [qoff, qoff + D) of each query row (the
 // query projected by the cache, q B^T) and may add a per-row shift to its scores (q . m);
 // a value part adds its product p @ a into output dims [ooff, ooff + D) and may write its
-// probability mass after them (the cache applies B and m after the op).
+// probability mass after them (the cache applies B and m after the op). A projected part
+// carries its own B and m (per head, dense or token rows [B, H, r, Dp], decoded once per
+// head and op): a key part projects dims [qoff, qoff + Dp) of the queries itself and adds
+// q . m; a value part adds (p @ a) B + (sum p) m into output dims [ooff, ooff + Dp). The
+// cache's small per-head products then run inside the op, not as a dozen MLX ops a layer.
 //
 // Keys a cache rebuilds before RoPE (xKV's default, XQuant) come as a dense part with its
 // rotation: cos and sin [1, 1, n, dims / 2] of each token's angles; bits = 1 pairs
@@ -38,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <stdexcept>
@@ -70,9 +75,11 @@ typedef uint32_t vu __attribute__((vector_size(4 * L)));
 typedef int32_t vi __attribute__((vector_size(4 * L)));
 
 enum Kind : int { kDense = 0, kToken = 1, kChannel = 2 };
-// kind, bits, group, has biases, has a table, query offset, output offset, extras
-constexpr int kSpecInts = 8;
-enum Extra : int { kShift = 1, kMass = 2, kRotate = 4 };
+// kind, bits, group, has biases, has a table, query offset, output offset, extras, then a
+// projection's kind, bits, group, has biases, has a table (zeros without one)
+constexpr int kSpecInts = 13;
+constexpr int kProjSpec = 8;  // where a projection's stored form starts in a part's spec
+enum Extra : int { kShift = 1, kMass = 2, kRotate = 4, kProject = 8 };
 
 // An input's base pointer with byte strides over its four axes.
 struct View {
@@ -146,6 +153,10 @@ struct Part {
   View a, s, z, shift;  // dense values or codes; scales; biases; score shift [B, H, R, 1]
   View cos, sin;        // a rotated dense part's angles [1, 1, n, dims / 2]
   vf table = {};
+  // A projected part (x = a P + m): its factor P [B, H, r, Dp] (dense or token rows) and
+  // mean m [B, H, 1, Dp].
+  std::shared_ptr<const Part> proj;
+  View mean;
 };
 
 // Scales and biases (zeros without) of head (b, h) as contiguous floats [rows, cols].
@@ -605,49 +616,97 @@ std::vector<float> exp_rows(float* sc, int64_t R, int64_t S) {
   return den;
 }
 
-// Dims [qoff, qoff + D) of R query rows (stride Dq): a placed part's queries, R rows of D.
-void part_queries(const Part& pt, const float* q, int64_t R, int64_t Dq, float* out) {
-  for (int64_t r = 0; r < R; ++r) std::copy_n(q + r * Dq + pt.qoff, pt.D, out + r * pt.D);
+std::vector<float> projection_mean(const Part& pt, int64_t b, int64_t h) {
+  std::vector<float> m(pt.proj->D);
+  load(pt.mean, pt.mean.at(b, h), pt.mean.stride[3], pt.proj->D, m.data());
+  return m;
 }
 
-// Scores of a key part placed at dims [qoff, qoff + D) of the query rows (stride Dq),
-// plus its per-row shift; `pre`: the head's rows of scores computed for every head at once.
+// Width of the query dims a key part reads (its projection's, when projected).
+inline int64_t read_width(const Part& pt) { return pt.proj ? pt.proj->D : pt.D; }
+
+// Dims [qoff, qoff + D) of R query rows (stride Dq): R rows of D.
+void query_dims(const float* q, int64_t R, int64_t Dq, int64_t qoff, int64_t D, float* out) {
+  for (int64_t r = 0; r < R; ++r) std::copy_n(q + r * Dq + qoff, D, out + r * D);
+}
+
+// A key part's queries, R rows of pt.D, from dims [qoff, qoff + read_width) of the query
+// rows (stride Dq): copied, or projected onto its factor for head (b, h): q P^T is the
+// scores of the query against P's rows, so the key kernels compute it from P's codes.
+void part_queries(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R, int64_t Dq,
+                  float* out) {
+  if (!pt.proj) return query_dims(q, R, Dq, pt.qoff, pt.D, out);
+  const Part& P = *pt.proj;
+  std::vector<float> own;
+  if (pt.qoff != 0 || P.D != Dq) own.resize(R * P.D), query_dims(q, R, Dq, pt.qoff, P.D, own.data());
+  keys_into(P, b, h, own.empty() ? q : own.data(), R, out, pt.D);
+}
+
+// A key part's per-row score shift: given (q . m, computed by the cache), or its
+// projection's mean (q . m here); empty without.
+std::vector<float> score_shift(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R,
+                               int64_t Dq) {
+  std::vector<float> shift;
+  if (pt.extras & kShift) {
+    shift.resize(R);
+    load(pt.shift, pt.shift.at(b, h), pt.shift.stride[2], R, shift.data());
+  } else if (pt.proj) {
+    const auto m = projection_mean(pt, b, h);
+    for (int64_t r = 0; r < R; ++r)
+      shift.push_back(std::inner_product(m.begin(), m.end(), q + r * Dq + pt.qoff, 0.f));
+  }
+  return shift;
+}
+
+// Scores of a key part placed at dims [qoff, ...) of the query rows (stride Dq), plus its
+// per-row shift; `pre`: the head's rows of scores computed for every head at once.
 void placed_keys(const Part& pt, int64_t b, int64_t h, const std::vector<float>& q, int64_t Dq,
                  int64_t R, float* out, int64_t ld, const float* pre) {
   if (pre != nullptr) {
     for (int64_t r = 0; r < R; ++r) std::copy_n(pre + (h * R + r) * pt.n, pt.n, out + r * ld);
-  } else if (pt.qoff == 0 && pt.D == Dq) {
+  } else if (pt.qoff == 0 && pt.D == Dq && !pt.proj) {
     keys_into(pt, b, h, q.data(), R, out, ld);
   } else {
     std::vector<float> own(R * pt.D);
-    part_queries(pt, q.data(), R, Dq, own.data());
+    part_queries(pt, b, h, q.data(), R, Dq, own.data());
     keys_into(pt, b, h, own.data(), R, out, ld);
   }
-  if (!(pt.extras & kShift)) return;
-  std::vector<float> shift(R);
-  load(pt.shift, pt.shift.at(b, h), pt.shift.stride[2], R, shift.data());
-  for (int64_t r = 0; r < R; ++r)
+  const auto shift = score_shift(pt, b, h, q.data(), R, Dq);
+  for (size_t r = 0; r < shift.size(); ++r)
     for (int64_t t = 0; t < pt.n; ++t) out[r * ld + t] += shift[r];
 }
 
-// R rows of a value part's p @ V (own [R, D]) added into output dims [ooff, ooff + D) of
-// acc (stride Dout), and the part's probability mass into dim ooff + D.
-void place_values(const Part& pt, const float* own, const float* p, int64_t ld, int64_t R,
-                  float* acc, int64_t Dout) {
+// Head (b, h)'s R rows of a value part's p @ V (own [R, D]) added into output dims
+// [ooff, ooff + D) of acc (stride Dout), and the part's probability mass into dim ooff + D;
+// projected into dims [ooff, ooff + Dp): own P + mass m, where own P weighs P's rows as
+// probabilities weigh tokens, so the value kernels compute it from P's codes.
+void place_values(const Part& pt, int64_t b, int64_t h, const float* own, const float* p,
+                  int64_t ld, int64_t R, float* acc, int64_t Dout) {
+  const int64_t D = read_width(pt);
+  std::vector<float> sum;
+  if (pt.proj) sum.assign(R * D, 0.f), values_into(*pt.proj, b, h, own, pt.D, R, sum.data());
+  const std::vector<float> m = pt.proj ? projection_mean(pt, b, h) : std::vector<float>();
   for (int64_t r = 0; r < R; ++r) {
     float* o = acc + r * Dout + pt.ooff;
-    for (int64_t d = 0; d < pt.D; ++d) o[d] += own[r * pt.D + d];
-    if (pt.extras & kMass) o[pt.D] += std::accumulate(p + r * ld, p + r * ld + pt.n, 0.f);
+    const float* x = pt.proj ? sum.data() + r * D : own + r * D;
+    for (int64_t d = 0; d < D; ++d) o[d] += x[d];
+    if (!pt.proj && !(pt.extras & kMass)) continue;
+    const float mass = std::accumulate(p + r * ld, p + r * ld + pt.n, 0.f);
+    if (pt.proj) {
+      for (int64_t d = 0; d < D; ++d) o[d] += mass * m[d];
+    } else {
+      o[D] += mass;
+    }
   }
 }
 
 void placed_values(const Part& pt, int64_t b, int64_t h, const float* p, int64_t ld, int64_t R,
                    float* acc, int64_t Dout) {
-  if (pt.ooff == 0 && pt.D == Dout && !(pt.extras & kMass))
+  if (pt.ooff == 0 && pt.D == Dout && !(pt.extras & kMass) && !pt.proj)
     return values_into(pt, b, h, p, ld, R, acc);
   std::vector<float> own(R * pt.D, 0.f);
   values_into(pt, b, h, p, ld, R, own.data());
-  place_values(pt, own.data(), p, ld, R, acc, Dout);
+  place_values(pt, b, h, own.data(), p, ld, R, acc, Dout);
 }
 
 // One sequence's parts: every query row's own (a batch of conversations), or one set whose
@@ -699,7 +758,8 @@ std::vector<float> scores_for_all_heads(const Plan& pl, int64_t b, int64_t pb, c
   const int64_t R = pl.R, HR = pl.H * R;
   std::vector<float> q(HR * pt.D), sc(HR * pt.n);
   for (int64_t h = 0; h < pl.H; ++h)
-    part_queries(pt, load_matrix(pl.q, b, h, R, pl.D).data(), R, pl.D, q.data() + h * R * pt.D);
+    part_queries(pt, pb, h, load_matrix(pl.q, b, h, R, pl.D).data(), R, pl.D,
+                 q.data() + h * R * pt.D);
   const int64_t step = (pt.n + threads * L - 1) / (threads * L) * L;  // whole lane blocks
   on_threads(threads, [&](int w) {
     const int64_t t0 = w * step, t1 = std::min(pt.n, t0 + step);
@@ -809,7 +869,9 @@ void attend_row_shared(const Plan& pl, const Shared& shared, int64_t b, float* o
     });
     for (int w = 1; w < threads; ++w)
       for (int64_t k = 0; k < HR * pt.D; ++k) part[0][k] += part[w][k];
-    place_values(pt, part[0].data(), sc.data() + off, S, HR, acc.data(), pl.Dv);
+    for (int64_t h = 0; h < H; ++h)
+      place_values(pt, own ? 0 : b, h, part[0].data() + h * R * pt.D, sc.data() + h * R * S + off,
+                   S, R, acc.data() + h * R * pl.Dv, pl.Dv);
   }
   for (int64_t h = 0; h < H; ++h)
     normalize(acc.data() + h * R * pl.Dv, den[h], R, pl.Dv, out + (b * H + h) * R * pl.Dv);
@@ -836,33 +898,45 @@ void run(const Plan& pl, float* out, int threads) {
   });
 }
 
+// A stored form's views and sizes from inputs[next] on (sp: kind, bits, group, has biases,
+// has a table).
+Part bind_stored(const int* sp, const std::vector<mx::array>& in, size_t& next) {
+  Part pt{sp[0], sp[1], sp[2], sp[3] != 0, sp[4] != 0};
+  const auto& a = in[next++];
+  pt.a = view_of(a);
+  if (pt.kind == kDense) {
+    pt.n = a.shape(2), pt.D = a.shape(3);
+    return pt;
+  }
+  pt.s = view_of(in[next++]);
+  if (pt.has_bias) pt.z = view_of(in[next++]);
+  if (pt.has_table) {
+    const auto& t = in[next++];
+    for (size_t j = 0; j < t.size() && j < L; ++j) pt.table[j] = t.data<float>()[j];
+  }
+  const int64_t width = a.shape(3) * static_cast<int64_t>(mx::size_of(a.dtype())) * 8 / pt.bits;
+  pt.n = pt.kind == kToken ? a.shape(2) : width;
+  pt.D = pt.kind == kToken ? width : a.shape(2);
+  if (a.strides()[3] != 1)
+    throw std::invalid_argument("veloxquant native: codes must be contiguous along their last axis");
+  return pt;
+}
+
 // Fills the parts' views and sizes from the op's inputs (inputs[0] is the queries).
 std::vector<Part> bind_parts(const std::vector<int>& spec, size_t first, size_t count,
                        const std::vector<mx::array>& in, size_t& next) {
   std::vector<Part> parts;
   for (size_t i = first; i < first + count; ++i) {
     const int* sp = spec.data() + kSpecInts * i;
-    Part pt{sp[0], sp[1], sp[2], sp[3] != 0, sp[4] != 0, sp[5], sp[6], sp[7]};
-    const auto& a = in[next++];
-    pt.a = view_of(a);
-    if (pt.kind == kDense) {
-      pt.n = a.shape(2), pt.D = a.shape(3);
-    } else {
-      pt.s = view_of(in[next++]);
-      if (pt.has_bias) pt.z = view_of(in[next++]);
-      if (pt.has_table) {
-        const auto& t = in[next++];
-        for (size_t j = 0; j < t.size() && j < L; ++j) pt.table[j] = t.data<float>()[j];
-      }
-      const int64_t width = a.shape(3) * static_cast<int64_t>(mx::size_of(a.dtype())) * 8 / pt.bits;
-      pt.n = pt.kind == kToken ? a.shape(2) : width;
-      pt.D = pt.kind == kToken ? width : a.shape(2);
-      if (a.strides()[3] != 1)
-        throw std::invalid_argument("veloxquant native: codes must be contiguous along their last axis");
-    }
-    // After the stored arrays, in check_part's order: the shift, then the rotation.
+    Part pt = bind_stored(sp, in, next);
+    pt.qoff = sp[5], pt.ooff = sp[6], pt.extras = sp[7];
+    // After the stored arrays, in check_part's order: shift, rotation, projection and mean.
     if (pt.extras & kShift) pt.shift = view_of(in[next++]);
     if (pt.extras & kRotate) pt.cos = view_of(in[next++]), pt.sin = view_of(in[next++]);
+    if (pt.extras & kProject) {
+      pt.proj = std::make_shared<const Part>(bind_stored(sp + kProjSpec, in, next));
+      pt.mean = view_of(in[next++]);
+    }
     parts.push_back(pt);
   }
   return parts;
@@ -980,14 +1054,34 @@ std::pair<int64_t, int64_t> check_stored(const int* sp, const std::vector<mx::ar
   return {width, a.shape(2)};
 }
 
+// Checks a projected part's factor [B, H, r, Dp] (r: the part's width) and mean
+// [B, H, 1, Dp]; returns Dp, the query dims it reads or the output dims it writes.
+int64_t check_projection(const int* sp, int64_t r, const std::vector<mx::array>& in,
+                         size_t& next, int64_t B, int64_t H) {
+  const int* pp = sp + kProjSpec;
+  check(!(sp[7] & (kShift | kMass | kRotate)) && sp[0] != kChannel,
+        "a projected part is dense or token rows, with no shift, mass or rotation of its own");
+  check(pp[0] != kChannel && !pp[4], "a projection is dense or token rows, without a table");
+  const auto [rows, Dp] = check_stored(pp, in, next, B, H);
+  check(rows == r, "a projection needs one row per dim of its part");
+  check(next < in.size(), "fewer arrays than the parts need");
+  const auto& m = in[next++];
+  check(is_float(m.dtype()) && m.ndim() == 4 && m.shape(0) == B && m.shape(1) == H &&
+            m.shape(2) == 1 && m.shape(3) == Dp,
+        "a projection's mean must be floats [B, H, 1, Dp]");
+  return Dp;
+}
+
 // Checks one part (its stored arrays, then its shift) and its placement; returns its token
 // count and head dim.
 std::pair<int64_t, int64_t> check_part(const int* sp, bool is_key, const std::vector<mx::array>& in,
                                        size_t& next, int64_t B, int64_t H, int64_t R) {
   const auto got = check_stored(sp, in, next, B, H);
   const int qoff = sp[5], ooff = sp[6], extras = sp[7];
-  check(qoff >= 0 && ooff >= 0 && extras >= 0 && extras <= (kShift | kMass | kRotate),
-        "offsets must be >= 0 and extras 0-7 (1: score shift, 2: probability mass, 4: RoPE)");
+  check(qoff >= 0 && ooff >= 0 && extras >= 0 &&
+            extras <= (kShift | kMass | kRotate | kProject),
+        "offsets must be >= 0 and extras 0-15 (1: score shift, 2: probability mass, 4: RoPE, "
+        "8: projection)");
   check(is_key || (qoff == 0 && !(extras & kShift)), "a value part has no query offset or shift");
   check(!is_key || (ooff == 0 && !(extras & kMass)), "a key part has no output offset or mass");
   if (extras & kShift) {
@@ -1009,6 +1103,7 @@ std::pair<int64_t, int64_t> check_part(const int* sp, bool is_key, const std::ve
             "a rotation's cos and sin must be float32 [1, 1, n, dims / 2], rows contiguous");
     }
   }
+  if (extras & kProject) return {got.first, check_projection(sp, got.second, in, next, B, H)};
   return got;
 }
 
@@ -1053,7 +1148,7 @@ mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& arr
                            const std::vector<int>& spec, const std::vector<int>& counts,
                            int threads, int causal) {
   check(q.ndim() == 4 && q.dtype() == mx::float32, "queries must be [B, H, rows, D] float32");
-  check(spec.size() % kSpecInts == 0, "spec must hold 8 ints per part");
+  check(spec.size() % kSpecInts == 0, "spec must hold 13 ints per part");
   const int64_t B = q.shape(0), H = q.shape(1), plans = counts.size() / 2;
   check(counts.size() % 2 == 0 && (plans == 1 || plans == B),
         "counts must be (key parts, value parts) once, or once per batch row");

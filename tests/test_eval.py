@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 
 import mlx.core as mx
 import numpy as np
@@ -395,11 +396,17 @@ def test_sweep_writes_json_md_png(model, tmp_path):
     assert [r["method"] for r in data["speed"]] == ["none", AFFINE4]
     speed = {r["method"]: r for r in data["speed"]}
     assert speed[AFFINE4]["real_bytes"] < speed["none"]["real_bytes"]
+    # The steady speed is the median step's: one slow step (a block compressed) moves
+    # the mean, not the median.
+    steps = speed[AFFINE4]["runs"][0]["step_s"]
+    assert len(steps) == 4
+    assert speed[AFFINE4]["steady_tok_s"] == pytest.approx(1 / statistics.median(steps))
+    assert speed["none"]["steady_ratio"] == 1.0
     q = data["quality"][1]
     assert q["mem_ratio"] == speed[AFFINE4]["mem_ratio"] and len(q["ppl_ratio_ci"]) == 2
     assert len(q["per_window"]) == 2 and sum(q["per_block"]["tokens"]) == 32
     md = (tmp_path / "bench.md").read_text()
-    assert AFFINE4 in md and "bench.png" in md and "real MiB" in md
+    assert AFFINE4 in md and "bench.png" in md and "real MiB" in md and "steady/dense" in md
     import matplotlib.image
 
     assert matplotlib.image.imread(tmp_path / "bench.png").ndim == 3

@@ -39,11 +39,15 @@ def _normal(n: int, seed: int, d: int = D) -> mx.array:
 
 
 def _counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Calls of the fused op from now on (one entry each)."""
+    """Calls of the fused op from now on: one entry each, its projected parts."""
     calls: list[int] = []
     real = native._native.decode_attention
-    monkeypatch.setattr(native._native, "decode_attention",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def spy(q: mx.array, arrays: list, spec: list[int], *a: object) -> mx.array:
+        calls.append(sum(1 for e in spec[7::native.SPEC_INTS] if e & native.PROJECT))
+        return real(q, arrays, spec, *a)
+
+    monkeypatch.setattr(native._native, "decode_attention", spy)
     return calls
 
 
@@ -210,6 +214,11 @@ def _call(spec: list[int], arrays: list[mx.array], counts: list[int] | None = No
     mx.eval(native._native.decode_attention(mx.ones((1, 1, 1, 8)), arrays, spec, counts))
 
 
+def _unprojected(spec: list[int]) -> list[int]:
+    """Parts of eight ints (stored form, placement) with no projection's five after."""
+    return [x for i in range(0, len(spec), 8) for x in [*spec[i:i + 8], 0, 0, 0, 0, 0]]
+
+
 NO_PLACE = [0, 0, 0]  # query offset, output offset, extras
 
 
@@ -252,7 +261,7 @@ NO_PLACE = [0, 0, 0]  # query offset, output offset, extras
 def test_bad_calls_are_refused_naming_the_problem(spec: list[int], arrays: list[mx.array],
                                                   message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        _call(spec, arrays)
+        _call(_unprojected(spec), arrays)
 
 
 @pytest.mark.parametrize("counts,message", [
@@ -262,24 +271,34 @@ def test_bad_calls_are_refused_naming_the_problem(spec: list[int], arrays: list[
 ])
 def test_bad_part_counts_are_refused(counts: list[int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        _call([0, 0, 0, 0, 0, *NO_PLACE] * 2, [mx.ones((1, 1, 4, 8))] * 2, counts)
+        _call(_unprojected([0, 0, 0, 0, 0, *NO_PLACE] * 2), [mx.ones((1, 1, 4, 8))] * 2,
+              counts)
 
 
-@pytest.mark.parametrize("method", [
-    "kivi:bits=4,group_size=32", "turboquant", "affine:bits=4,group_size=32",
-    # Factor space: values (and keys after RoPE) read as codes of the token factor.
-    "xkv:group_layers=2,block=64,rank_k=32,rank_v=32,factor_bits=4",
-    "xkv:group_layers=2,block=64,rank_k=30,rank_v=20,factor_bits=4,pre_rope=False,window=8",
+XKV_AFTER_ROPE = "xkv:group_layers=2,block=64,rank_k=30,rank_v=20,factor_bits=4,pre_rope=False"
+
+
+@pytest.mark.parametrize("method,head_dim,projected", [
+    ("kivi:bits=4,group_size=32", 32, False), ("turboquant", 32, False),
+    ("affine:bits=4,group_size=32", 32, False),
+    # Factor space: values (and keys after RoPE) read as codes of the token factor; the
+    # member factors applied by MLX (a head's slice of a 4-bit member is half a group at
+    # head dim 32) or by the op (at head dim 64).
+    ("xkv:group_layers=2,block=64,rank_k=32,rank_v=32,factor_bits=4", 32, False),
+    (XKV_AFTER_ROPE + ",window=8", 32, False),
+    ("xkv:group_layers=2,block=64,rank_k=32,rank_v=32,factor_bits=4", 64, True),
+    (XKV_AFTER_ROPE + ",window=8", 64, True),
     # Keys rebuilt from the cached X and rotated in the op, value codes read as codes.
-    "xquant"])
-def test_the_plain_loop_gives_the_same_logits_fused(method: str,
+    ("xquant", 32, False)])
+def test_the_plain_loop_gives_the_same_logits_fused(method: str, head_dim: int,
+                                                    projected: bool,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # The user's loop: a prompt, a second chunk, then one token at a time, no state
     # evaluation.
     from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
     from veloxquant_mlx.testing.tiny import tiny_model
 
-    model = tiny_model("llama")
+    model = tiny_model("llama", head_dim=head_dim)
     tokens = mx.random.randint(0, 128, (1, 300), key=mx.random.key(25))
     calls = _counted(monkeypatch)
 
@@ -296,9 +315,75 @@ def test_the_plain_loop_gives_the_same_logits_fused(method: str,
     # The chunk and the 30 steps, and the prompt too where its own tokens are already
     # codes when it attends (affine keeps no float window).
     assert len(calls) in (31 * len(model.layers), 32 * len(model.layers))
+    assert any(calls) == projected
     monkeypatch.setenv(native.ENV, "0")
     plain = run()
     assert max(_close(a, b) for a, b in zip(fused, plain)) < 1e-4
+
+
+def _factored(n: int, r: int, seed: int, bits: int | None, shared: bool = True
+              ) -> tuple[object, object, mx.array, mx.array]:
+    """A low-rank store ``x = a P_h + m_h``: the token factor ``a`` [B, n, r] (4-bit codes,
+    one part every head reads, or a copy per head), each head's ``P_h`` [B, H, r, D] as 4-bit rows or float16
+    (``bits`` None) and ``m_h`` [B, H, 1, D] float16; and the dense ``x`` [B, H, n, D]."""
+    from veloxquant_mlx.ops.parts import shared_by_heads
+
+    keys = mx.random.split(mx.random.key(seed), 3)
+    a = q.quantize(mx.random.normal((B, n, r), key=keys[0]), 4, 32)
+    p = mx.random.normal((B, H, r, D), key=keys[1]) / r ** 0.5
+    m = (mx.random.normal((B, H, 1, D), key=keys[2]) * 0.3).astype(mx.float16)
+    if bits is None:
+        p = p.astype(mx.float16)
+        proj, p_float = DensePart(p), p.astype(mx.float32)
+    else:
+        pq = q.quantize(p, bits, 32)
+        proj, p_float = token_codes(pq), q.dequantize(pq, mx.float32)
+    x = q.dequantize(a, mx.float32)[:, None] @ p_float + m.astype(mx.float32)
+    rows = shared_by_heads(a, H)
+    if not shared:
+        rows = token_codes(q.Quantized(*(mx.contiguous(x) for x in rows.stored()[3]),
+                                       mx.contiguous(rows.stored()[4]), 4, 32))
+    return rows, proj, m, x
+
+
+@pytest.mark.parametrize("bits", [4, 8, None])
+@pytest.mark.parametrize("n,shared", [(200, True), (native.THREADED_KEYS + 100, True),
+                                      (200, False)])
+def test_projected_parts_apply_their_factor_and_mean_in_the_op(
+        bits: int | None, n: int, shared: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # xKV's keys after RoPE and values: the op projects the queries onto each head's
+    # factor (q P^T, plus q . m) and the probabilities' product back ((p a) P + (sum p) m),
+    # between a float sink and window; against softmax(q K^T) V over the dense keys.
+    monkeypatch.setattr(native, "THREADS", 2)
+    rows_k, pk, mk, k = _factored(n, 32, 40, bits, shared)
+    rows_v, pv, mv, v = _factored(n, 64, 41, bits, shared)
+    sink_k, sink_v, win_k, win_v = (_normal(4, 42 + i) for i in range(4))
+    keys = [DensePart(sink_k), native.Placed(rows_k, project=pk, mean=mk), DensePart(win_k)]
+    values = [DensePart(sink_v), native.Placed(rows_v, project=pv, mean=mv), DensePart(win_v)]
+    queries = mx.random.normal((B, H, 3, D), key=mx.random.key(46)) * 0.125
+    calls = _counted(monkeypatch)
+    out = native.decode(queries, keys, values)
+    assert calls == [2]
+    dense_k = mx.concatenate([sink_k, k, win_k], axis=2)
+    dense_v = mx.concatenate([sink_v, v, win_v], axis=2)
+    want = mx.softmax(queries @ dense_k.swapaxes(-1, -2), axis=-1) @ dense_v
+    assert _close(out, want) < 2e-5
+
+
+def test_a_projection_must_match_its_part() -> None:
+    # A projection with a row per dim of its part and a mean of its width; a projected
+    # part has no shift of its own.
+    rows, proj, mean, _ = _factored(8, 32, 47, 4)
+    queries = mx.ones((B, H, 1, D))
+    for placed, message in [
+            (native.Placed(rows, project=DensePart(mx.ones((B, H, 16, D))), mean=mean),
+             "one row per dim of its part"),
+            (native.Placed(rows, project=proj, mean=mean[..., :32]),
+             "mean must be floats"),
+            (native.Placed(rows, project=proj, mean=mean, shift=mx.ones((B, H, 1, 1))),
+             "no shift, mass or rotation")]:
+        with pytest.raises(ValueError, match=message):
+            mx.eval(native.decode(queries, [placed], [DensePart(_normal(8, 48))]))
 
 
 def test_a_long_store_split_across_threads_gives_mlx_results(

@@ -81,9 +81,12 @@ def test_weight_flops_count_the_tied_head_once() -> None:
 
 def test_the_limit_is_set_by_bytes_or_by_flops_whichever_binds() -> None:
     rates = {"read_bytes_per_s": 1e9, "matmul_flops_per_s": 1e10}
-    dense = {"accounted_bytes": 400, "decode_flops": 1000, "decode_ratio": 1.0}
-    small = {"accounted_bytes": 100, "decode_flops": 1000, "decode_ratio": 1.2}
-    heavy = {"accounted_bytes": 100, "decode_flops": 20_000, "decode_ratio": 0.5}
+    dense = {"accounted_bytes": 400, "decode_flops": 1000, "decode_ratio": 1.0,
+             "steady_ratio": 1.0}
+    small = {"accounted_bytes": 100, "decode_flops": 1000, "decode_ratio": 1.2,
+             "steady_ratio": 1.3}
+    heavy = {"accounted_bytes": 100, "decode_flops": 20_000, "decode_ratio": 0.5,
+             "steady_ratio": 0.4}
     for r in (dense, small, heavy):
         bench._roofline(r, dense, 600, 2000, rates)
     assert dense["roofline_limit"] == pytest.approx(1.0)
@@ -92,6 +95,7 @@ def test_the_limit_is_set_by_bytes_or_by_flops_whichever_binds() -> None:
     # 22,000 FLOPs at 1e10/s (2.2 us) outweigh its 700 bytes at 1e9/s (0.7 us).
     assert heavy["roofline_limit"] == pytest.approx(1.0 / 2.2)
     assert heavy["of_limit"] == pytest.approx(0.5 * 2.2)
+    assert heavy["steady_of_limit"] == pytest.approx(0.4 * 2.2)
     # One phase after the other: weights 0.6 us, then dense's attention 0.4 us against
     # the heavy one's 2.0 us of FLOPs.
     assert heavy["serial_limit"] == pytest.approx(1.0 / 2.6)

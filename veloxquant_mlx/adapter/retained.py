@@ -43,9 +43,12 @@ def build_caches(model: nn.Module, source: CacheSource) -> list[Any]:
 
 
 def _decode(model: nn.Module, caches: list[Any], token: int, steps: int,
-            forced: Sequence[int] | None) -> None:
-    """``steps`` single-token decode steps: teacher-forced, or greedy from ``token``."""
+            forced: Sequence[int] | None) -> list[float]:
+    """``steps`` single-token decode steps: teacher-forced, or greedy from ``token``;
+    the wall seconds of each."""
+    times = []
     for i in range(steps):
+        t0 = time.perf_counter()
         tok = forced[i] if forced is not None else token
         logits = model(mx.array([[tok]], dtype=mx.int32), cache=caches)
         if forced is None:
@@ -53,6 +56,8 @@ def _decode(model: nn.Module, caches: list[Any], token: int, steps: int,
         else:
             mx.eval(logits)
         del logits
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def _ratio(a: float, b: float) -> float:
@@ -84,7 +89,7 @@ def measure_retained(model: nn.Module, config: CacheSource, tokens: Sequence[int
     ``real_over_declared_*``, ``real_over_fp16_*``, ``declared_over_fp16_*``;
     ``residual_bytes``: what stays alive once the caches are dropped and the model
     detached (should be 0); ``prefill_s`` / ``decode_s``: wall seconds of the two
-    phases (without the readings).
+    phases (without the readings); ``step_s``: of each decode step.
     """
     if decode_steps < 0:
         raise ValueError(f"decode_steps={decode_steps} is not allowed: an integer >= 0")
@@ -125,10 +130,11 @@ def _measure(model: nn.Module, config: CacheSource, tokens: Sequence[int], decod
     out: dict[str, Any] = {"context": len(tokens), "decode_steps": decode_steps}
     out.update(_point(active_bytes() - base, caches, "prefill"))
     t0 = time.perf_counter()
-    _decode(model, caches, token, decode_steps, forced)
+    step_s = _decode(model, caches, token, decode_steps, forced)
     decode_s = time.perf_counter() - t0
     out.update(_point(active_bytes() - base, caches, "decode"))
     del caches
     KVCacheBuilder.detach(model)
-    out.update(prefill_s=prefill_s, decode_s=decode_s, residual_bytes=active_bytes() - base)
+    out.update(prefill_s=prefill_s, decode_s=decode_s, step_s=step_s,
+               residual_bytes=active_bytes() - base)
     return out

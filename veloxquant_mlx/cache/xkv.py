@@ -50,8 +50,8 @@ from veloxquant_mlx.ops import factors as fr
 from veloxquant_mlx.ops import native
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import masked_softmax
-from veloxquant_mlx.ops.buffers import owned
-from veloxquant_mlx.ops.parts import DensePart, shared_by_heads
+from veloxquant_mlx.ops.buffers import Views, owned
+from veloxquant_mlx.ops.parts import DensePart, shared_by_heads, token_codes
 from veloxquant_mlx.ops.rope import rotate, unrotate
 from veloxquant_mlx.ops.rope import tables as rope_tables
 from veloxquant_mlx.options import MethodOptions, config_error
@@ -202,6 +202,7 @@ class XKVCache(CompressedCache):
         self.compute_dtype = mx.float32
         # Leader only: decoded token factors of the forward pass in progress.
         self._decoded: dict[tuple[str, int], mx.array] = {}
+        self._views = Views()  # the fused op's views of the factors, kept between steps
 
     def _check_layer(self) -> None:
         # A rank above the group's width G*D keeps that width (every SVD is capped by
@@ -435,6 +436,7 @@ class XKVCache(CompressedCache):
             rows = fr.store_rows(fr.pad_rank(A, width, -1), self.factor_bits)
             segments[-1] = fr.append_rows(segments[-1], rows)
         self._decoded = {}
+        self._forget_views()
 
     def _compressed_end(self, stream: str) -> int:
         """Leader: position after the last token with a shared token factor."""
@@ -468,6 +470,29 @@ class XKVCache(CompressedCache):
         mh = mean.astype(mx.float32).reshape(b.shape[0], 1, H, -1).transpose(0, 2, 1, 3)
         return bh, mh
 
+    def _member_part(self, stream: str, j: int) -> tuple[Any, mx.array] | None:
+        """Basis ``j``'s member factor as a part ``[b, H, r, hd]`` and its mean
+        ``[b, H, 1, hd]``, views of the stored arrays for the fused op to apply itself;
+        None where a head's slice is not whole groups (then MLX applies them)."""
+        own, mean, _ = self.bases[j].parts[stream]
+        return self._views.get(("member", stream, j), (own, mean),
+                               lambda: self._member_view(own, mean))
+
+    def _member_view(self, own: Any, mean: mx.array) -> tuple[Any, mx.array] | None:
+        H = self.layer.n_kv_heads
+        hd = mean.shape[-1] // H
+
+        def heads(a: mx.array) -> mx.array:
+            return a.reshape(*a.shape[:2], H, -1).transpose(0, 2, 1, 3)
+
+        mh = heads(mean)
+        if not isinstance(own, q.Quantized):
+            return DensePart(heads(own)), mh
+        if hd % own.group_size or own.bits not in q.BYTE_BITS:
+            return None
+        return token_codes(q.Quantized(*(heads(a) for a in own.arrays), own.bits,
+                                       own.group_size)), mh
+
     def _basis_parts(self, stream: str, cached: bool = False
                      ) -> list[tuple[int, mx.array, mx.array, mx.array]]:
         """Per basis with compressed tokens: its first position, the token factor rows
@@ -487,7 +512,15 @@ class XKVCache(CompressedCache):
     def _rows_part(self, stream: str, j: int, n: int) -> Any:
         """Basis ``j``'s first ``n`` token factor rows as stored, one part shared by the
         KV heads (for the fused kernel; no copy)."""
-        return shared_by_heads(self.leader.shared[stream][j], self.layer.n_kv_heads, n)
+        rows = self.leader.shared[stream][j]
+        return self._views.get(("rows", stream, j, n), (rows,),
+                               lambda: shared_by_heads(rows, self.layer.n_kv_heads, n))
+
+    def _forget_views(self) -> None:
+        """Every member drops its views of the group's factors (they pin what a store
+        change replaced)."""
+        for member in self.leader.members:
+            member._views.clear()
 
     def _rebuilt_keys(self, start: int, a: mx.array, bh: mx.array, mh: mx.array,
                       rotated: bool = True) -> mx.array:
@@ -545,19 +578,16 @@ class XKVCache(CompressedCache):
             keys.append(DensePart(self.sink_k))
             values.append(DensePart(self.sink_v))
         for j, start, n in self._spans():
-            bh, mh = self._member("keys", j)
-            if self.pre_rope:  # rebuilt, and rotated by the op as it reads them
-                a = self.leader._decoded_rows("keys", j)
-                info = self.layer
-                keys.append(native.Placed(
-                    DensePart(self._rebuilt_keys(start, a[..., :n, :], bh, mh, False)),
-                    rope=rope_tables(n, start, info.rope_dims, info.rope_base,
-                                     info.rope_traditional, info.rope_scale)))
-            else:
-                qs.append(qh @ bh.swapaxes(-1, -2))
-                keys.append(native.Placed(self._rows_part("keys", j, n), qoff=width,
-                                          shift=qh @ mh.swapaxes(-1, -2)))
-                width += bh.shape[-2]
+            part, projected = self._key_part(qh, j, start, n, width)
+            keys.append(part)
+            if projected is not None:  # q B^T made here, read at dims width:
+                qs.append(projected)
+                width += projected.shape[-1]
+            member = self._member_part("values", j)
+            if member is not None:  # B_v and m_v applied by the op
+                values.append(native.Placed(self._rows_part("values", j, n), project=member[0],
+                                            mean=member[1]))
+                continue
             bv, mv = self._member("values", j)
             values.append(native.Placed(self._rows_part("values", j, n), ooff=out_width,
                                         mass=True))
@@ -571,10 +601,29 @@ class XKVCache(CompressedCache):
         if o is None:
             return None
         # Each basis's columns are p a then its mass: one product with [B_h; m_h] stacked.
-        out = o[..., :hv]
+        out = o[..., :hv] if factors else o
         if factors:
             out = out + o[..., hv:] @ mx.concatenate(factors, axis=-2)
         return out.reshape(B, Hq, L, hv).astype(queries.dtype)
+
+    def _key_part(self, qh: mx.array, j: int, start: int, n: int, width: int
+                  ) -> tuple[native.Placed, mx.array | None]:
+        """Basis ``j``'s keys for the fused op, and the projected queries ``q B^T`` it
+        reads at query dims ``width:`` where the op cannot project them itself."""
+        if self.pre_rope:  # rebuilt, and rotated by the op as it reads them
+            bh, mh = self._member("keys", j)
+            a = self.leader._decoded_rows("keys", j)
+            info = self.layer
+            return native.Placed(
+                DensePart(self._rebuilt_keys(start, a[..., :n, :], bh, mh, False)),
+                rope=rope_tables(n, start, info.rope_dims, info.rope_base,
+                                 info.rope_traditional, info.rope_scale)), None
+        rows, member = self._rows_part("keys", j, n), self._member_part("keys", j)
+        if member is not None:
+            return native.Placed(rows, project=member[0], mean=member[1]), None
+        bh, mh = self._member("keys", j)
+        return (native.Placed(rows, qoff=width, shift=qh @ mh.swapaxes(-1, -2)),
+                qh @ bh.swapaxes(-1, -2))
 
     def _attend_ops(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         """The attention on MLX's ops (factor-space products, keys rebuilt per basis
@@ -698,6 +747,7 @@ class XKVCache(CompressedCache):
             self._trim_compressed(keep)
         self.offset = keep
         self.leader._decoded = {}
+        self._forget_views()
         if self.layer.member_idx == 0:
             self.layer.coordinator.rewind(self.layer.group_id, self.win_start,
                                           self.win_start - self.n_sink)
@@ -755,6 +805,7 @@ class XKVCache(CompressedCache):
         for stream in STREAMS:
             self.shared[stream] = [fr.rows_from(take(), self.factor_bits)
                                    for _ in self.shared[stream]]
+        self._views.clear()
 
     @property
     def meta_state(self):
@@ -773,6 +824,7 @@ class XKVCache(CompressedCache):
         CompressedCache.meta_state.fset(self, v)
         # Units published but not adopted are published again to the fresh coordinator.
         self.pending, self.means, self._decoded = [], {}, {}
+        self._views.clear()
         self.bases = []
         for item in filter(None, v[4].split(";")):
             start, rk, rv = (int(x) for x in item.split(":"))

@@ -26,6 +26,11 @@ arithmetic; a CPU runs one op after the other, so ``serial_limit`` bounds the we
 matmuls and the attention each by its own max and adds them (``of_serial``: how close
 the measured step came to that).
 
+Decode speed is the mean over the steps (``decode_ratio``: every step counted, a method's
+occasional compression step included) and the median step (``steady_ratio``, and
+``steady_of_limit`` against the roofline): a method that compresses a block of tokens at
+once (xKV) pays it in one step, which a short run weighs as much as a long one.
+
 ``profile_decode`` (``python -m veloxquant_mlx.eval.bench --profile``): where the time of
 one decode step goes, per method (whole step, the model without KV, attention, decoding
 the codes, building the graph in Python).
@@ -72,6 +77,7 @@ def bench_once(model: nn.Module, tokens: Sequence[int], method: Method | CacheSo
     out.update(
         prefill_tok_s=context / out["prefill_s"],
         decode_tok_s=decode_steps / out["decode_s"] if decode_steps else float("nan"),
+        steady_tok_s=1 / statistics.median(out["step_s"]) if decode_steps else float("nan"),
         peak_mem_bytes=peak,
         peak_over_base_bytes=peak - base,
         rss_bytes=_rss(),
@@ -161,6 +167,7 @@ def bench_methods(model: nn.Module, tokens: Sequence[int], specs: Sequence[Spec]
         for r in block:
             r["prefill_ratio"] = r["prefill_tok_s"] / block[0]["prefill_tok_s"]
             r["decode_ratio"] = r["decode_tok_s"] / block[0]["decode_tok_s"]
+            r["steady_ratio"] = r["steady_tok_s"] / block[0]["steady_tok_s"]
             _roofline(r, block[0], weights, flops, rates)
         rows.extend(block)
     bar.close()
@@ -179,6 +186,7 @@ def _roofline(r: dict[str, Any], dense: dict[str, Any], weights: int, flops: int
     r["roofline_limit"] = dense_t / step_bound(weights + r["accounted_bytes"],
                                                r["step_flops"], rates)
     r["of_limit"] = r["decode_ratio"] / r["roofline_limit"]
+    r["steady_of_limit"] = r["steady_ratio"] / r["roofline_limit"]
     weights_t = step_bound(weights, flops, rates)
     r["serial_limit"] = (
         (weights_t + step_bound(dense["accounted_bytes"], dense["decode_flops"], rates))
@@ -212,6 +220,7 @@ def _summarize(method: Method, context: int, decode_steps: int,
         "residual_bytes": max(r["residual_bytes"] for r in runs),
         "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
         "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+        "steady_tok_s": statistics.median(r["steady_tok_s"] for r in runs),
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in runs),
         "peak_over_base_bytes": max(r["peak_over_base_bytes"] for r in runs),
         "rss_bytes": max(r["rss_bytes"] for r in runs),

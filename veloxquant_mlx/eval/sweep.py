@@ -61,6 +61,8 @@ BENCH_COLUMNS = [
     ("GFLOPs/step", "step_flops", lambda v: _fmt(v / 1e9, 2)),
     ("roofline limit", "roofline_limit", lambda v: _fmt(v, 2)),
     ("of limit", "of_limit", lambda v: _fmt(v, 2)),
+    ("steady/dense", "steady_ratio", lambda v: _fmt(v, 2)),
+    ("steady of limit", "steady_of_limit", lambda v: _fmt(v, 2)),
     ("serial limit", "serial_limit", lambda v: _fmt(v, 2)),
     ("of serial", "of_serial", lambda v: _fmt(v, 2)),
     ("MLX peak MiB", "peak_mem_bytes", _mib),

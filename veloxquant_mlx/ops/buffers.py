@@ -8,7 +8,12 @@ append that fits writes into the reserve; one that does not allocates new arrays
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
 import mlx.core as mx
+
+T = TypeVar("T")
 
 RESERVE_FRACTION = 32  # spare slots = tokens held // 32
 
@@ -91,3 +96,26 @@ def owned(x: mx.array) -> mx.array:
     writes a fresh buffer (measured with the allocator: the trimmed tail is freed).
     """
     return mx.concatenate([x, x[..., :0]], axis=-1)
+
+
+class Views:
+    """Views of stored arrays (slices, broadcasts, per-head reshapes) kept from one decode
+    step to the next: on a CPU each is an MLX op of some microseconds, and a low-rank
+    cache made dozens a layer. An entry is rebuilt when its sources are not the same
+    objects; a view pins its source's buffer, so the owner calls ``clear()`` wherever it
+    replaces or drops a stored array."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Hashable, tuple[tuple[Any, ...], Any]] = {}
+
+    def get(self, key: Hashable, sources: tuple[Any, ...], make: Callable[[], T]) -> T:
+        hit = self._entries.get(key)
+        if hit is not None and len(hit[0]) == len(sources) and \
+                all(a is b for a, b in zip(hit[0], sources)):
+            return hit[1]
+        out = make()
+        self._entries[key] = (sources, out)
+        return out
+
+    def clear(self) -> None:
+        self._entries.clear()

@@ -36,8 +36,10 @@ CHUNK_ROWS = 256
 CHUNK_SCORES = 1 << 21
 
 KIND = {"dense": 0, "token": 1, "channel": 2}
-SPEC_INTS = 8  # per part: kind, bits, group, biases, table, query offset, output offset, extras
-SHIFT, MASS, ROTATE = 1, 2, 4  # extras
+# per part: kind, bits, group, biases, table, query offset, output offset, extras, then its
+# projection's kind, bits, group, biases, table
+SPEC_INTS = 13
+SHIFT, MASS, ROTATE, PROJECT = 1, 2, 4, 8  # extras
 
 
 @dataclass
@@ -48,7 +50,11 @@ class Placed:
     ``ooff:ooff + D`` and, with ``mass``, the part's probability mass to dim ``ooff + D``
     (the cache applies ``B`` and ``m`` after the op). A dense key part with ``rope``
     (``ops.rope.Tables``) is rotated to its positions as the op reads it (keys rebuilt
-    before RoPE). The kernel only: no MLX path reads it."""
+    before RoPE). With ``project`` (a part ``[B, H, r, Dp]`` holding ``B`` per head, dense
+    or token rows) and ``mean`` (``[B, H, 1, Dp]``), the op applies ``B`` and ``m`` itself:
+    a key part projects query dims ``qoff:qoff + Dp`` and adds ``q . m``; a value part adds
+    ``(p @ a) B + (sum p) m`` to output dims ``ooff:ooff + Dp`` (no shift or mass then).
+    The kernel only: no MLX path reads it."""
 
     part: Any
     qoff: int = 0
@@ -56,6 +62,8 @@ class Placed:
     shift: mx.array | None = None
     mass: bool = False
     rope: Any = None
+    project: Any = None
+    mean: mx.array | None = None
 
     @property
     def n(self) -> int:
@@ -80,8 +88,8 @@ def _load() -> tuple[Any, str]:
         one = mx.ones((1, 1, 1, 4))
         codes = mx.zeros((1, 1, 1, 1), dtype=mx.uint32)
         mx.eval(ext.decode_attention(one, [codes, one[..., :1], one[..., :1], one], [
-            KIND["token"], 8, 4, 1, 0, 0, 0, 0, KIND["dense"], 0, 0, 0, 0, 0, 0, 0],
-            [1, 1], 1))
+            KIND["token"], 8, 4, 1, 0, 0, 0, 0, *[0] * 5,
+            KIND["dense"], 0, 0, 0, 0, 0, 0, 0, *[0] * 5], [1, 1], 1))
     except (TypeError, ValueError, RuntimeError) as e:
         return None, f"built for another MLX ({e.__class__.__name__}): rebuild with " \
                      "bash scripts/build_native.sh"
@@ -105,25 +113,38 @@ def status() -> str:
     return "fused CPU kernel (csrc/parts.cpp)"
 
 
+def _form(part: Any) -> tuple[list[int], list[mx.array]] | None:
+    """A part's stored form as the op's five spec ints (kind, bits, group, biases,
+    table) and its arrays; None where the op reads no such form."""
+    stored = getattr(part, "stored", None)
+    form = stored() if stored is not None else None
+    if form is None:
+        return None
+    kind, bits, group, arrs, biases, table = form
+    return ([KIND[kind], bits, group, int(biases is not None), int(table is not None)],
+            [*arrs, *([biases] if biases is not None else []),
+             *([table] if table is not None else [])])
+
+
 def _described(parts: Sequence[Any]) -> tuple[list[int], list[mx.array]] | None:
     spec: list[int] = []
     arrays: list[mx.array] = []
     for p in parts:
-        stored = getattr(p, "stored", None)
-        form = stored() if stored is not None else None
-        if form is None:
+        form = _form(p)
+        project = getattr(p, "project", None)
+        projection = _form(project) if project is not None else ([0] * 5, [])
+        if form is None or projection is None:
             return None
-        kind, bits, group, arrs, biases, table = form
+        (head, arrs), (tail, proj_arrs) = form, projection
         shift, rope = getattr(p, "shift", None), getattr(p, "rope", None)
         extras = (SHIFT if shift is not None else 0) | (MASS if getattr(p, "mass", False) else 0)
         if rope is not None:  # a rotated dense part: bits says the pairing, group the dims
-            extras, bits, group = extras | ROTATE, int(rope.traditional), rope.dims
-        spec += [KIND[kind], bits, group, int(biases is not None), int(table is not None),
-                 getattr(p, "qoff", 0), getattr(p, "ooff", 0), extras]
-        arrays += [*arrs, *([biases] if biases is not None else []),
-                   *([table] if table is not None else []),
-                   *([shift] if shift is not None else []),
-                   *([rope.cos, rope.sin] if rope is not None else [])]
+            extras, head[1], head[2] = extras | ROTATE, int(rope.traditional), rope.dims
+        extras |= PROJECT if project is not None else 0
+        spec += [*head, getattr(p, "qoff", 0), getattr(p, "ooff", 0), extras, *tail]
+        arrays += [*arrs, *([shift] if shift is not None else []),
+                   *([rope.cos, rope.sin] if rope is not None else []),
+                   *([*proj_arrs, p.mean] if project is not None else [])]
     return spec, arrays
 
 
