@@ -753,29 +753,43 @@ Part tokens(Part pt, int64_t t0, int64_t t1) {
   return pt;
 }
 
-std::vector<float> scores_for_all_heads(const Plan& pl, int64_t b, int64_t pb, const Part& pt,
-                                        int threads) {
-  const int64_t R = pl.R, HR = pl.H * R;
-  std::vector<float> q(HR * pt.D), sc(HR * pt.n);
-  for (int64_t h = 0; h < pl.H; ++h)
-    part_queries(pt, pb, h, load_matrix(pl.q, b, h, R, pl.D).data(), R, pl.D,
-                 q.data() + h * R * pt.D);
-  const int64_t step = (pt.n + threads * L - 1) / (threads * L) * L;  // whole lane blocks
-  on_threads(threads, [&](int w) {
-    const int64_t t0 = w * step, t1 = std::min(pt.n, t0 + step);
-    if (t0 < t1) keys_into(tokens(pt, t0, t1), pb, 0, q.data(), HR, sc.data() + t0, pt.n);
-  });
-  return sc;
-}
-
+// Scores of every key part shared by the KV heads, for every head's rows: each part's
+// queries for all heads first, then one start of the threads for all parts, each thread
+// scoring its share of every part's tokens (a thread start costs tens of microseconds).
 Shared shared_scores(const Plan& pl, int threads) {
   const bool own = pl.rows.size() > 1;
+  const int64_t R = pl.R, HR = pl.H * R;
+  struct Job {
+    const Part* pt;
+    int64_t pb;
+    std::vector<float> q;
+    float* sc;
+  };
   Shared out(pl.B);
   for (int64_t b = 0; b < pl.B; ++b)
     for (const auto& pt : pl.rows[own ? b : 0].keys)
-      out[b].push_back(shared_by_heads(pl, pt)
-                           ? scores_for_all_heads(pl, b, own ? 0 : b, pt, threads)
-                           : std::vector<float>());
+      out[b].emplace_back(shared_by_heads(pl, pt) ? HR * pt.n : 0);
+  std::vector<Job> jobs;
+  for (int64_t b = 0; b < pl.B; ++b) {
+    const auto& keys = pl.rows[own ? b : 0].keys;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (out[b][i].empty()) continue;
+      const Part& pt = keys[i];
+      Job job{&pt, own ? 0 : b, std::vector<float>(HR * pt.D), out[b][i].data()};
+      for (int64_t h = 0; h < pl.H; ++h)
+        part_queries(pt, job.pb, h, load_matrix(pl.q, b, h, R, pl.D).data(), R, pl.D,
+                     job.q.data() + h * R * pt.D);
+      jobs.push_back(std::move(job));
+    }
+  }
+  if (jobs.empty()) return out;
+  on_threads(threads, [&](int w) {
+    for (const auto& job : jobs) {
+      const int64_t n = job.pt->n, step = (n + threads * L - 1) / (threads * L) * L;
+      const int64_t t0 = w * step, t1 = std::min(n, t0 + step);  // whole lane blocks
+      if (t0 < t1) keys_into(tokens(*job.pt, t0, t1), job.pb, 0, job.q.data(), HR, job.sc + t0, n);
+    }
+  });
   return out;
 }
 
@@ -855,22 +869,31 @@ void attend_row_shared(const Plan& pl, const Shared& shared, int64_t b, float* o
       head_values(pl, b, h, sc.data() + h * R * S, acc.data() + h * R * pl.Dv, skip);
     }
   });
-  int64_t off = 0;
-  for (size_t i = 0; i < ps.values.size(); off += ps.values[i].n, ++i) {
-    if (!skip[i]) continue;
-    const Part& pt = ps.values[i];
-    const int64_t step = (pt.n + threads - 1) / threads;
-    std::vector<std::vector<float>> part(threads, std::vector<float>(HR * pt.D, 0.f));
-    on_threads(threads, [&](int w) {
-      const int64_t t0 = w * step, t1 = std::min(pt.n, t0 + step);
+  // The shared parts (their first token at off), all in one start of the threads: each
+  // thread sums its share of every part's tokens into its own buffer.
+  std::vector<std::pair<const Part*, int64_t>> parts;
+  for (size_t i = 0, off = 0; i < ps.values.size(); off += ps.values[i].n, ++i)
+    if (skip[i]) parts.emplace_back(&ps.values[i], off);
+  std::vector<std::vector<std::vector<float>>> sums(parts.size());
+  for (size_t k = 0; k < parts.size(); ++k)
+    sums[k].assign(threads, std::vector<float>(HR * parts[k].first->D, 0.f));
+  on_threads(threads, [&](int w) {
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const auto [pt, off] = parts[k];
+      const int64_t step = (pt->n + threads - 1) / threads;
+      const int64_t t0 = w * step, t1 = std::min(pt->n, t0 + step);
       if (t0 < t1)
-        values_into(tokens(pt, t0, t1), own ? 0 : b, 0, sc.data() + off + t0, S, HR,
-                    part[w].data());
-    });
+        values_into(tokens(*pt, t0, t1), own ? 0 : b, 0, sc.data() + off + t0, S, HR,
+                    sums[k][w].data());
+    }
+  });
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const auto [pt, off] = parts[k];
+    auto& sum = sums[k][0];
     for (int w = 1; w < threads; ++w)
-      for (int64_t k = 0; k < HR * pt.D; ++k) part[0][k] += part[w][k];
+      for (int64_t i = 0; i < HR * pt->D; ++i) sum[i] += sums[k][w][i];
     for (int64_t h = 0; h < H; ++h)
-      place_values(pt, own ? 0 : b, h, part[0].data() + h * R * pt.D, sc.data() + h * R * S + off,
+      place_values(*pt, own ? 0 : b, h, sum.data() + h * R * pt->D, sc.data() + h * R * S + off,
                    S, R, acc.data() + h * R * pl.Dv, pl.Dv);
   }
   for (int64_t h = 0; h < H; ++h)
