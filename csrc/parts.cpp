@@ -23,8 +23,8 @@
 // query projected by the cache, q B^T) and may add a per-row shift to its scores (q . m);
 // a value part adds its product p @ a into output dims [ooff, ooff + D) and may write its
 // probability mass after them (the cache applies B and m after the op). A projected part
-// carries its own B and m (per head, dense or token rows [B, H, r, Dp], decoded once per
-// head and op): a key part projects dims [qoff, qoff + Dp) of the queries itself and adds
+// carries its own B and m (per head, dense or token rows [B, H, r, Dp], read by the op's own
+// key and value kernels as they read any part): a key part projects dims [qoff, qoff + Dp) of the queries itself and adds
 // q . m; a value part adds (p @ a) B + (sum p) m into output dims [ooff, ooff + Dp). The
 // cache's small per-head products then run inside the op, not as a dozen MLX ops a layer.
 //

@@ -85,6 +85,11 @@ def _arrays(x: Any) -> list[mx.array]:
     return x.arrays if isinstance(x, q.Quantized) else [x]
 
 
+def _per_head(a: mx.array, heads: int) -> mx.array:
+    """``[b, n, heads * d]`` as ``[b, heads, n, d]`` (a view of a contiguous array)."""
+    return a.reshape(*a.shape[:2], heads, -1).transpose(0, 2, 1, 3)
+
+
 def _bytes(n_values: int, bits: int | None, group: int) -> int:
     if bits is None:
         return 2 * n_values
@@ -465,10 +470,7 @@ class XKVCache(CompressedCache):
         [b, H, 1, hd], float32 transients."""
         H = self.layer.n_kv_heads
         own, mean, _ = self.bases[j].parts[stream]
-        b = _load(own)
-        bh = b.reshape(b.shape[0], b.shape[1], H, -1).transpose(0, 2, 1, 3)
-        mh = mean.astype(mx.float32).reshape(b.shape[0], 1, H, -1).transpose(0, 2, 1, 3)
-        return bh, mh
+        return _per_head(_load(own), H), _per_head(mean.astype(mx.float32), H)
 
     def _member_part(self, stream: str, j: int) -> tuple[Any, mx.array] | None:
         """Basis ``j``'s member factor as a part ``[b, H, r, hd]`` and its mean
@@ -480,17 +482,13 @@ class XKVCache(CompressedCache):
 
     def _member_view(self, own: Any, mean: mx.array) -> tuple[Any, mx.array] | None:
         H = self.layer.n_kv_heads
-        hd = mean.shape[-1] // H
-
-        def heads(a: mx.array) -> mx.array:
-            return a.reshape(*a.shape[:2], H, -1).transpose(0, 2, 1, 3)
-
-        mh = heads(mean)
+        mh = _per_head(mean, H)
         if not isinstance(own, q.Quantized):
-            return DensePart(heads(own)), mh
-        if hd % own.group_size or own.bits not in q.BYTE_BITS:
+            return DensePart(_per_head(own, H)), mh
+        head_dim = mean.shape[-1] // H
+        if head_dim % own.group_size or own.bits not in q.BYTE_BITS:
             return None
-        return token_codes(q.Quantized(*(heads(a) for a in own.arrays), own.bits,
+        return token_codes(q.Quantized(*(_per_head(a, H) for a in own.arrays), own.bits,
                                        own.group_size)), mh
 
     def _basis_parts(self, stream: str, cached: bool = False
@@ -600,10 +598,9 @@ class XKVCache(CompressedCache):
                           causal)
         if o is None:
             return None
-        # Each basis's columns are p a then its mass: one product with [B_h; m_h] stacked.
-        out = o[..., :hv] if factors else o
-        if factors:
-            out = out + o[..., hv:] @ mx.concatenate(factors, axis=-2)
+        out = o
+        if factors:  # each basis's columns are p a then its mass: one product with [B; m]
+            out = o[..., :hv] + o[..., hv:] @ mx.concatenate(factors, axis=-2)
         return out.reshape(B, Hq, L, hv).astype(queries.dtype)
 
     def _key_part(self, qh: mx.array, j: int, start: int, n: int, width: int

@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.kernels import on_gpu
 
 ENV = "VELOXQUANT_NATIVE"
@@ -169,7 +170,7 @@ def floats_of(x: Any, plus: mx.array | None = None) -> mx.array | None:
     ``None`` where it does not run (then MLX's ops). On the CPU MLX's path is several ops
     of a few microseconds each and a pass apiece: this is one pass, the codes spread into
     lanes a block at a time."""
-    if not usable(mx.float32) or x.bits not in (1, 2, 4, 8) or x.group_size % 16:
+    if not usable(mx.float32) or x.bits not in q.BYTE_BITS or x.group_size % 16:
         return None
     width = x.codes.shape[-1] * x.codes.itemsize * 8 // x.bits
     if plus is not None and (plus.dtype != mx.float32 or
