@@ -24,14 +24,18 @@
 // a value part adds its product p @ a into output dims [ooff, ooff + D) and may write its
 // probability mass after them (the cache applies B and m after the op). A projected part
 // carries its own B and m (per head, dense or token rows [B, H, r, Dp], read by the op's own
-// key and value kernels as they read any part): a key part projects dims [qoff, qoff + Dp) of the queries itself and adds
-// q . m; a value part adds (p @ a) B + (sum p) m into output dims [ooff, ooff + Dp). The
-// cache's small per-head products then run inside the op, not as a dozen MLX ops a layer.
+// key and value kernels as they read any part): a key part projects dims [qoff, qoff + Dp)
+// of the queries itself and adds q . m; a value part adds (p @ a) B + (sum p) m into output
+// dims [ooff, ooff + Dp). The cache's small per-head products then run inside the op, not
+// as a dozen MLX ops a layer.
 //
-// Keys a cache rebuilds before RoPE (xKV's default, XQuant) come as a dense part with its
-// rotation: cos and sin [1, 1, n, dims / 2] of each token's angles; bits = 1 pairs
-// neighbouring dims (2i, 2i + 1), else dims i and i + dims / 2. Each row is rotated as it is
-// read: applied by MLX's ops, RoPE cost a pass per op over every rebuilt key.
+// A key part may carry a rotation (RoPE): its inverse frequencies [1, 1, 1, dims / 2] and
+// its first position (int32 [1, 1, 1, 1]), the angles made in the op (class Angles); extra
+// kPairs pairs neighbouring dims (2i, 2i + 1), else dims i and i + dims / 2.
+// A dense part's rows are rotated as they are read. A projected part with a rotation holds
+// keys stored before RoPE as a factor (xKV's default, XQuant): the op rebuilds a few tokens'
+// keys a P + m at a time, rotates and scores them while they are in cache, so no rebuilt
+// key ever exists at full size.
 //
 // A value part shared by the KV heads (head stride 0) is read once for every head's rows:
 // each head's softmax first, then the part's tokens split between the threads.
@@ -79,7 +83,7 @@ enum Kind : int { kDense = 0, kToken = 1, kChannel = 2 };
 // projection's kind, bits, group, has biases, has a table (zeros without one)
 constexpr int kSpecInts = 13;
 constexpr int kProjSpec = 8;  // where a projection's stored form starts in a part's spec
-enum Extra : int { kShift = 1, kMass = 2, kRotate = 4, kProject = 8 };
+enum Extra : int { kShift = 1, kMass = 2, kRotate = 4, kProject = 8, kPairs = 16 };
 
 // An input's base pointer with byte strides over its four axes.
 struct View {
@@ -151,7 +155,11 @@ struct Part {
   int qoff = 0, ooff = 0, extras = 0;
   int64_t n = 0, D = 0;
   View a, s, z, shift;  // dense values or codes; scales; biases; score shift [B, H, R, 1]
-  View cos, sin;        // a rotated dense part's angles [1, 1, n, dims / 2]
+  // A rotated part: RoPE's inverse frequencies [1, 1, 1, dims / 2] (contiguous float32), the
+  // position of the part's token 0, and of this slice's first token among the part's.
+  // Pairs (2i, 2i + 1) with kPairs, else (i, i + dims / 2).
+  const float* rot_inv = nullptr;
+  int64_t rot_dims = 0, rot_start = 0, rot_first = 0;
   vf table = {};
   // A projected part (x = a P + m): its factor P [B, H, r, Dp] (dense or token rows) and
   // mean m [B, H, 1, Dp].
@@ -297,6 +305,30 @@ void token_values(const Part& pt, int64_t b, int64_t h, const float* p, int64_t 
 }
 
 typedef uint8_t vb __attribute__((vector_size(L)));
+
+// One row of codes (D values, little-endian words) as floats: code * scale + bias, in
+// blocks of L values of one group (lane i: byte i * BITS / 8, shifted by i * BITS % 8).
+template <int BITS>
+void decode_row(const uint8_t* codes, const float* s, const float* z, int64_t D, int64_t gs,
+                const float* plus, float* out) {
+  vb idx;
+  vu shift;
+  for (int i = 0; i < L; ++i) idx[i] = i * BITS / 8, shift[i] = i * BITS % 8;
+  for (int64_t d = 0; d < D; d += L) {
+    vb bytes = {};
+    std::memcpy(&bytes, codes + d * BITS / 8, L * BITS / 8);
+    const vu code = (__builtin_convertvector(__builtin_shuffle(bytes, idx), vu) >> shift) &
+                    ((1u << BITS) - 1);
+    vf v = __builtin_convertvector(code, vf) * s[d / gs] + z[d / gs];
+    if (plus != nullptr) {
+      vf p;
+      std::memcpy(&p, plus + d, sizeof(vf));
+      v += p;
+    }
+    std::memcpy(out + d, &v, sizeof(vf));
+  }
+}
+
 
 // L bytes as L words (GCC's generic conversion extracted them one by one).
 inline vu widen(const uint8_t* p) {
@@ -473,17 +505,172 @@ void channel_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t 
   }
 }
 
-// RoPE of token t's row of a rotated dense part, in place.
-inline void rotate_row(const Part& pt, int64_t t, float* x) {
-  const auto* c = reinterpret_cast<const float*>(pt.cos.data + t * pt.cos.stride[2]);
-  const auto* s = reinterpret_cast<const float*>(pt.sin.data + t * pt.sin.stride[2]);
-  const int64_t half = pt.group / 2;
-  const int64_t step = pt.bits == 1 ? 2 : 1, other = pt.bits == 1 ? 1 : half;
-  for (int64_t i = 0; i < half; ++i) {
-    float& u = x[i * step];
-    float& v = x[i * step + other];
-    const float a = u, b = v;
-    u = a * c[i] - b * s[i], v = a * s[i] + b * c[i];
+constexpr int64_t kFine = 32;  // positions per coarse angle: ops/rope.py's FINE
+constexpr int64_t kSeed = 8;   // angles turned on from an exact one at most this many times
+
+// RoPE's cos and sin of a rotated part's tokens, made as ops/rope.py's angles() makes them:
+// position start + F c + j turns by the coarse angle of start + F c plus the fine one of j
+// (angle addition), so no table sized by the tokens is ever allocated. A coarse or fine
+// angle is the one before it turned by one more step, every kSeed-th computed exactly:
+// at 4096 tokens and 32 frequencies, about 700 calls of std::cos and std::sin instead of
+// 5000; seven turns add about 1e-6 to the float32 angle's own rounding.
+class Angles {
+ public:
+  explicit Angles(const Part& pt)
+      : pt_(pt), half_(pt.rot_dims / 2), cf_(kFine * half_), sf_(kFine * half_), cc_(half_),
+        sc_(half_), cstep_(half_), sstep_(half_) {
+    std::vector<float> c1(half_), s1(half_);
+    for (int64_t i = 0; i < half_; ++i) {
+      c1[i] = std::cos(pt.rot_inv[i]), s1[i] = std::sin(pt.rot_inv[i]);
+      const float coarse = static_cast<float>(kFine) * pt.rot_inv[i];
+      cstep_[i] = std::cos(coarse), sstep_[i] = std::sin(coarse);
+    }
+    for (int64_t j = 0; j < kFine; ++j) {
+      float *c = cf_.data() + j * half_, *s = sf_.data() + j * half_;
+      if (j % kSeed == 0) {
+        for (int64_t i = 0; i < half_; ++i) {
+          const float a = static_cast<float>(j) * pt.rot_inv[i];
+          c[i] = std::cos(a), s[i] = std::sin(a);
+        }
+      } else {
+        turn(c - half_, s - half_, c1.data(), s1.data(), c, s);
+      }
+    }
+  }
+
+  // Token t of the slice, rotated in place (dims [0, rot_dims) of x).
+  void rotate(int64_t t, float* x) {
+    const int64_t u = pt_.rot_first + t, block = u / kFine, j = u % kFine;
+    if (block != block_) {
+      if (block == block_ + 1 && block % kSeed != 0) {
+        turn(cc_.data(), sc_.data(), cstep_.data(), sstep_.data(), cc_.data(), sc_.data());
+      } else {
+        const float pos = static_cast<float>(pt_.rot_start + kFine * block);
+        for (int64_t i = 0; i < half_; ++i)
+          cc_[i] = std::cos(pos * pt_.rot_inv[i]), sc_[i] = std::sin(pos * pt_.rot_inv[i]);
+      }
+      block_ = block;
+    }
+    const float *cf = cf_.data() + j * half_, *sf = sf_.data() + j * half_;
+    const bool pairs = pt_.extras & kPairs;
+    const int64_t step = pairs ? 2 : 1, other = pairs ? 1 : half_;
+    for (int64_t i = 0; i < half_; ++i) {
+      const float c = cc_[i] * cf[i] - sc_[i] * sf[i], s = sc_[i] * cf[i] + cc_[i] * sf[i];
+      float& a = x[i * step];
+      float& b = x[i * step + other];
+      const float u0 = a, v0 = b;
+      a = u0 * c - v0 * s, b = u0 * s + v0 * c;
+    }
+  }
+
+ private:
+  const Part& pt_;
+  int64_t half_, block_ = -2;
+  std::vector<float> cf_, sf_, cc_, sc_, cstep_, sstep_;
+
+  // (c, s) of angles a + b from those of a (c0, s0) and b (cb, sb), half_ of each.
+  void turn(const float* c0, const float* s0, const float* cb, const float* sb, float* c,
+            float* s) const {
+    for (int64_t i = 0; i < half_; ++i) {
+      const float ci = c0[i] * cb[i] - s0[i] * sb[i], si = s0[i] * cb[i] + c0[i] * sb[i];
+      c[i] = ci, s[i] = si;
+    }
+  }
+};
+
+// Row t of a dense or token part (no table) of head (b, h) as pt.D floats.
+void row_floats(const Part& pt, int64_t b, int64_t h, int64_t t, float* out) {
+  const uint8_t* row = pt.a.at(b, h) + t * pt.a.stride[2];
+  if (pt.kind == kDense) return load(pt.a, row, pt.a.stride[3], pt.D, out);
+  const int64_t G = pt.D / pt.group;
+  thread_local std::vector<float> s, z;
+  s.resize(G), z.assign(G, 0.f);
+  load(pt.s, pt.s.at(b, h) + t * pt.s.stride[2], pt.s.stride[3], G, s.data());
+  if (pt.has_bias) load(pt.z, pt.z.at(b, h) + t * pt.z.stride[2], pt.z.stride[3], G, z.data());
+  switch (pt.bits) {
+    case 1: return decode_row<1>(row, s.data(), z.data(), pt.D, pt.group, nullptr, out);
+    case 2: return decode_row<2>(row, s.data(), z.data(), pt.D, pt.group, nullptr, out);
+    case 4: return decode_row<4>(row, s.data(), z.data(), pt.D, pt.group, nullptr, out);
+    default: return decode_row<8>(row, s.data(), z.data(), pt.D, pt.group, nullptr, out);
+  }
+}
+
+// C [RB, NV * L] = A [RB, r] @ P [r, NV * L] (row strides lda, ldp, ldc), the RB * NV
+// accumulators held in registers over all of r: each P row is read once per RB rows.
+template <int RB, int NV>
+inline void tile_product(const float* A, int64_t lda, const float* P, int64_t ldp, int64_t r,
+                         float* C, int64_t ldc) {
+  vf acc[RB][NV] = {};
+  for (int64_t k = 0; k < r; ++k) {
+    vf p[NV];
+    for (int j = 0; j < NV; ++j) std::memcpy(&p[j], P + k * ldp + j * L, sizeof(vf));
+    for (int i = 0; i < RB; ++i) {
+      const float a = A[i * lda + k];
+      for (int j = 0; j < NV; ++j) acc[i][j] += a * p[j];
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int j = 0; j < NV; ++j) std::memcpy(C + i * ldc + j * L, &acc[i][j], sizeof(vf));
+}
+
+constexpr int kRebuilt = 6;  // tokens rebuilt at once: 6 x 4 accumulators of L floats
+
+// K [kRebuilt, D] = A [kRebuilt, r] @ P [r, D]: column blocks of 4, 3, 2 or 1 vectors, then
+// single columns.
+void rows_product(const float* A, int64_t r, const float* P, int64_t D, float* K) {
+  constexpr int RB = kRebuilt;
+  int64_t c = 0;
+  for (; c + 4 * L <= D; c += 4 * L) tile_product<RB, 4>(A, r, P + c, D, r, K + c, D);
+  switch ((D - c) / L) {
+    case 3: tile_product<RB, 3>(A, r, P + c, D, r, K + c, D), c += 3 * L; break;
+    case 2: tile_product<RB, 2>(A, r, P + c, D, r, K + c, D), c += 2 * L; break;
+    case 1: tile_product<RB, 1>(A, r, P + c, D, r, K + c, D), c += L; break;
+    default: break;
+  }
+  for (; c < D; ++c)
+    for (int i = 0; i < RB; ++i) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < r; ++k) sum += A[i * r + k] * P[k * D + c];
+      K[i * D + c] = sum;
+    }
+}
+
+// Whether a key part's keys are rebuilt in the op: projected (x = a P + m) and rotated.
+inline bool rebuilds(const Part& pt) { return pt.proj && (pt.extras & kRotate); }
+
+// Scores of a part whose keys are stored before RoPE as a factor (xKV, XQuant): for heads
+// h0 .. h0 + nh (q: R rows of Dp each), keys x = a P_h + m_h rebuilt kRebuilt tokens at a
+// time and rotated to their positions, each tile scored while it is in cache. Rebuilt with
+// MLX's ops, the keys were a full-size float transient a layer and three more passes.
+void rebuilt_keys(const Part& pt, int64_t b, int64_t h0, int64_t nh, const float* q, int64_t R,
+                  float* out, int64_t ld) {
+  const Part& P = *pt.proj;
+  const int64_t r = pt.D, D = P.D;
+  std::vector<float> Ph(nh * r * D), Mh(nh * D), A(kRebuilt * r), K(kRebuilt * D);
+  Angles angles(pt);
+  for (int64_t i = 0; i < nh; ++i) {
+    for (int64_t k = 0; k < r; ++k) row_floats(P, b, h0 + i, k, Ph.data() + (i * r + k) * D);
+    load(pt.mean, pt.mean.at(b, h0 + i), pt.mean.stride[3], D, Mh.data() + i * D);
+  }
+  for (int64_t t = 0; t < pt.n; t += kRebuilt) {
+    const int64_t count = std::min<int64_t>(kRebuilt, pt.n - t);
+    for (int64_t j = 0; j < kRebuilt; ++j)
+      row_floats(pt, b, h0, t + std::min(j, count - 1), A.data() + j * r);
+    for (int64_t i = 0; i < nh; ++i) {
+      rows_product(A.data(), r, Ph.data() + i * r * D, D, K.data());
+      for (int64_t j = 0; j < count; ++j) {
+        float* k = K.data() + j * D;
+        for (int64_t d = 0; d < D; ++d) k[d] += Mh[i * D + d];
+        angles.rotate(t + j, k);
+        for (int64_t row = 0; row < R; ++row) {
+          const float* qr = q + (i * R + row) * D;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t d = 0; d < D; ++d) sum += qr[d] * k[d];
+          out[(i * R + row) * ld + t + j] = sum;
+        }
+      }
+    }
   }
 }
 
@@ -493,12 +680,14 @@ void dense_keys(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R,
   const int64_t D = pt.D, n = pt.n;
   std::vector<float> row(D);
   std::vector<vf> tile(D), acc(R);
+  std::optional<Angles> angles;
+  if (pt.extras & kRotate) angles.emplace(pt);
   for (int64_t t = 0; t < n; t += L) {
     const int64_t count = std::min<int64_t>(L, n - t);
     std::fill(tile.begin(), tile.end(), vf{});
     for (int j = 0; j < count; ++j) {
       load(pt.a, pt.a.at(b, h) + (t + j) * pt.a.stride[2], pt.a.stride[3], D, row.data());
-      if (pt.extras & kRotate) rotate_row(pt, t + j, row.data());
+      if (angles) angles->rotate(t + j, row.data());
       for (int64_t d = 0; d < D; ++d) tile[d][j] = row[d];
     }
     std::fill(acc.begin(), acc.end(), vf{});
@@ -650,7 +839,7 @@ std::vector<float> score_shift(const Part& pt, int64_t b, int64_t h, const float
   if (pt.extras & kShift) {
     shift.resize(R);
     load(pt.shift, pt.shift.at(b, h), pt.shift.stride[2], R, shift.data());
-  } else if (pt.proj) {
+  } else if (pt.proj && !rebuilds(pt)) {
     const auto m = projection_mean(pt, b, h);
     for (int64_t r = 0; r < R; ++r)
       shift.push_back(std::inner_product(m.begin(), m.end(), q + r * Dq + pt.qoff, 0.f));
@@ -666,6 +855,10 @@ void placed_keys(const Part& pt, int64_t b, int64_t h, const std::vector<float>&
     for (int64_t r = 0; r < R; ++r) std::copy_n(pre + (h * R + r) * pt.n, pt.n, out + r * ld);
   } else if (pt.qoff == 0 && pt.D == Dq && !pt.proj) {
     keys_into(pt, b, h, q.data(), R, out, ld);
+  } else if (rebuilds(pt)) {
+    std::vector<float> own(R * pt.proj->D);
+    query_dims(q.data(), R, Dq, pt.qoff, pt.proj->D, own.data());
+    rebuilt_keys(pt, b, h, 1, own.data(), R, out, ld);
   } else {
     std::vector<float> own(R * pt.D);
     part_queries(pt, b, h, q.data(), R, Dq, own.data());
@@ -748,7 +941,7 @@ Part tokens(Part pt, int64_t t0, int64_t t1) {
   pt.a.data += t0 * pt.a.stride[2];
   if (pt.s.data != nullptr) pt.s.data += t0 * pt.s.stride[2];
   if (pt.z.data != nullptr) pt.z.data += t0 * pt.z.stride[2];
-  if (pt.cos.data != nullptr) pt.cos.data += t0 * pt.cos.stride[2], pt.sin.data += t0 * pt.sin.stride[2];
+  pt.rot_first += t0;
   pt.n = t1 - t0;
   return pt;
 }
@@ -775,10 +968,16 @@ Shared shared_scores(const Plan& pl, int threads) {
     for (size_t i = 0; i < keys.size(); ++i) {
       if (out[b][i].empty()) continue;
       const Part& pt = keys[i];
-      Job job{&pt, own ? 0 : b, std::vector<float>(HR * pt.D), out[b][i].data()};
-      for (int64_t h = 0; h < pl.H; ++h)
-        part_queries(pt, job.pb, h, load_matrix(pl.q, b, h, R, pl.D).data(), R, pl.D,
-                     job.q.data() + h * R * pt.D);
+      const int64_t D = rebuilds(pt) ? pt.proj->D : pt.D;  // rebuilt: the queries' own dims
+      Job job{&pt, own ? 0 : b, std::vector<float>(HR * D), out[b][i].data()};
+      for (int64_t h = 0; h < pl.H; ++h) {
+        const auto q = load_matrix(pl.q, b, h, R, pl.D);
+        if (rebuilds(pt)) {
+          query_dims(q.data(), R, pl.D, pt.qoff, D, job.q.data() + h * R * D);
+        } else {
+          part_queries(pt, job.pb, h, q.data(), R, pl.D, job.q.data() + h * R * D);
+        }
+      }
       jobs.push_back(std::move(job));
     }
   }
@@ -787,7 +986,13 @@ Shared shared_scores(const Plan& pl, int threads) {
     for (const auto& job : jobs) {
       const int64_t n = job.pt->n, step = (n + threads * L - 1) / (threads * L) * L;
       const int64_t t0 = w * step, t1 = std::min(n, t0 + step);  // whole lane blocks
-      if (t0 < t1) keys_into(tokens(*job.pt, t0, t1), job.pb, 0, job.q.data(), HR, job.sc + t0, n);
+      if (t0 >= t1) continue;
+      const Part part = tokens(*job.pt, t0, t1);
+      if (rebuilds(part)) {
+        rebuilt_keys(part, job.pb, 0, pl.H, job.q.data(), R, job.sc + t0, n);
+      } else {
+        keys_into(part, job.pb, 0, job.q.data(), HR, job.sc + t0, n);
+      }
     }
   });
   return out;
@@ -955,7 +1160,11 @@ std::vector<Part> bind_parts(const std::vector<int>& spec, size_t first, size_t 
     pt.qoff = sp[5], pt.ooff = sp[6], pt.extras = sp[7];
     // After the stored arrays, in check_part's order: shift, rotation, projection and mean.
     if (pt.extras & kShift) pt.shift = view_of(in[next++]);
-    if (pt.extras & kRotate) pt.cos = view_of(in[next++]), pt.sin = view_of(in[next++]);
+    if (pt.extras & kRotate) {
+      pt.rot_dims = 2 * in[next].shape(3);
+      pt.rot_inv = in[next++].data<float>();
+      pt.rot_start = in[next++].data<int32_t>()[0];
+    }
     if (pt.extras & kProject) {
       pt.proj = std::make_shared<const Part>(bind_stored(sp + kProjSpec, in, next));
       pt.mean = view_of(in[next++]);
@@ -1082,11 +1291,16 @@ std::pair<int64_t, int64_t> check_stored(const int* sp, const std::vector<mx::ar
 int64_t check_projection(const int* sp, int64_t r, const std::vector<mx::array>& in,
                          size_t& next, int64_t B, int64_t H) {
   const int* pp = sp + kProjSpec;
-  check(!(sp[7] & (kShift | kMass | kRotate)) && sp[0] != kChannel,
-        "a projected part is dense or token rows, with no shift, mass or rotation of its own");
+  check(!(sp[7] & (kShift | kMass)) && sp[0] != kChannel,
+        "a projected part is dense or token rows, with no shift or mass of its own");
   check(pp[0] != kChannel && !pp[4], "a projection is dense or token rows, without a table");
   const auto [rows, Dp] = check_stored(pp, in, next, B, H);
   check(rows == r, "a projection needs one row per dim of its part");
+  if (sp[7] & kRotate)  // rebuilt a row at a time: whole vectors of whole groups, or floats
+    for (const int* form : {sp, pp})
+      check(form[0] == kDense || (!form[4] && form[2] % L == 0),
+            "a rotated projected part and its projection are dense or token rows without a "
+            "table, in groups of a multiple of 16 dims");
   check(next < in.size(), "fewer arrays than the parts need");
   const auto& m = in[next++];
   check(is_float(m.dtype()) && m.ndim() == 4 && m.shape(0) == B && m.shape(1) == H &&
@@ -1102,9 +1316,10 @@ std::pair<int64_t, int64_t> check_part(const int* sp, bool is_key, const std::ve
   const auto got = check_stored(sp, in, next, B, H);
   const int qoff = sp[5], ooff = sp[6], extras = sp[7];
   check(qoff >= 0 && ooff >= 0 && extras >= 0 &&
-            extras <= (kShift | kMass | kRotate | kProject),
-        "offsets must be >= 0 and extras 0-15 (1: score shift, 2: probability mass, 4: RoPE, "
-        "8: projection)");
+            extras <= (kShift | kMass | kRotate | kProject | kPairs) &&
+            ((extras & kRotate) || !(extras & kPairs)),
+        "offsets must be >= 0 and extras 0-31 (1: score shift, 2: probability mass, 4: RoPE, "
+        "8: projection, 16: RoPE pairs neighbouring dims)");
   check(is_key || (qoff == 0 && !(extras & kShift)), "a value part has no query offset or shift");
   check(!is_key || (ooff == 0 && !(extras & kMass)), "a key part has no output offset or mass");
   if (extras & kShift) {
@@ -1114,20 +1329,23 @@ std::pair<int64_t, int64_t> check_part(const int* sp, bool is_key, const std::ve
               s.shape(2) == R && s.shape(3) == 1,
           "a score shift must be float32 [B, H, rows, 1]");
   }
+  int64_t half = 0;  // of the dims a rotation turns
   if (extras & kRotate) {
-    check(is_key && sp[0] == kDense, "only dense key parts are rotated");
-    check(sp[2] > 0 && sp[2] % 2 == 0 && sp[2] <= got.second && (sp[1] == 0 || sp[1] == 1),
-          "a rotated part's group must be its even rotated dims (<= D) and bits 0 or 1");
-    for (int i = 0; i < 2; ++i) {
-      check(next < in.size(), "fewer arrays than the parts need");
-      const auto& t = in[next++];
-      check(t.dtype() == mx::float32 && t.ndim() == 4 && t.shape(2) == got.first &&
-                t.shape(3) == sp[2] / 2 && t.strides()[3] == 1,
-            "a rotation's cos and sin must be float32 [1, 1, n, dims / 2], rows contiguous");
-    }
+    check(is_key && (sp[0] == kDense || (extras & kProject)),
+          "only dense or projected key parts are rotated");
+    check(next + 1 < in.size(), "fewer arrays than the parts need");
+    const auto &inv = in[next++], &start = in[next++];
+    check(inv.dtype() == mx::float32 && inv.ndim() == 4 && inv.size() == inv.shape(3) &&
+              inv.size() > 0 && inv.flags().row_contiguous,
+          "a rotation's inverse frequencies must be contiguous float32 [1, 1, 1, dims / 2]");
+    check(start.dtype() == mx::int32 && start.ndim() == 4 && start.size() == 1,
+          "a rotation's first position must be int32 [1, 1, 1, 1]");
+    half = inv.shape(3);
   }
-  if (extras & kProject) return {got.first, check_projection(sp, got.second, in, next, B, H)};
-  return got;
+  const int64_t width =
+      (extras & kProject) ? check_projection(sp, got.second, in, next, B, H) : got.second;
+  check(2 * half <= width, "a rotation turns at most the part's dims");
+  return {got.first, width};
 }
 
 // One sequence's parts from inputs[next] on: checks them, returns their output width and
@@ -1247,29 +1465,6 @@ std::vector<Rows> rows_of(const std::vector<mx::array>& in) {
     out.push_back(rows_of(a));
   }
   return out;
-}
-
-// One row of codes (D values, little-endian words) as floats: code * scale + bias, in
-// blocks of L values of one group (lane i: byte i * BITS / 8, shifted by i * BITS % 8).
-template <int BITS>
-void decode_row(const uint8_t* codes, const float* s, const float* z, int64_t D, int64_t gs,
-                const float* plus, float* out) {
-  vb idx;
-  vu shift;
-  for (int i = 0; i < L; ++i) idx[i] = i * BITS / 8, shift[i] = i * BITS % 8;
-  for (int64_t d = 0; d < D; d += L) {
-    vb bytes = {};
-    std::memcpy(&bytes, codes + d * BITS / 8, L * BITS / 8);
-    const vu code = (__builtin_convertvector(__builtin_shuffle(bytes, idx), vu) >> shift) &
-                    ((1u << BITS) - 1);
-    vf v = __builtin_convertvector(code, vf) * s[d / gs] + z[d / gs];
-    if (plus != nullptr) {
-      vf p;
-      std::memcpy(&p, plus + d, sizeof(vf));
-      v += p;
-    }
-    std::memcpy(out + d, &v, sizeof(vf));
-  }
 }
 
 class DecodeRows : public CpuOp {

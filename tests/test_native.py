@@ -248,15 +248,22 @@ NO_PLACE = [0, 0, 0]  # query offset, output offset, extras
      "a score shift must be float32"),
     ([0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0, *NO_PLACE], [mx.ones((1, 1, 4, 8))] * 2,
      "fit in the query rows"),
-    # A rotation: of a value part, of odd dims, with tables of the wrong shape.
-    ([0, 0, 0, 0, 0, *NO_PLACE, 0, 0, 8, 0, 0, 0, 0, 4],
-     [mx.ones((1, 1, 4, 8))] * 2 + [mx.ones((1, 1, 4, 4))] * 2, "only dense key parts are rotated"),
-    ([0, 0, 7, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, *NO_PLACE],
-     [mx.ones((1, 1, 4, 8))] + [mx.ones((1, 1, 4, 4))] * 2 + [mx.ones((1, 1, 4, 8))],
-     "even rotated dims"),
-    ([0, 0, 8, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, *NO_PLACE],
-     [mx.ones((1, 1, 4, 8))] + [mx.ones((1, 1, 3, 4))] * 2 + [mx.ones((1, 1, 4, 8))],
-     "cos and sin must be float32"),
+    # A rotation: of a value part, wider than the part, with tables of the wrong shape;
+    # a pairing without a rotation.
+    ([0, 0, 0, 0, 0, *NO_PLACE, 0, 0, 0, 0, 0, 0, 0, 4],
+     [mx.ones((1, 1, 4, 8))] * 2 + [mx.ones((1, 1, 1, 4)), mx.zeros((1, 1, 1, 1), mx.int32)],
+     "only dense or projected key parts are rotated"),
+    ([0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, *NO_PLACE],
+     [mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 1, 5)), mx.zeros((1, 1, 1, 1), mx.int32),
+      mx.ones((1, 1, 4, 8))], "turns at most the part's dims"),
+    ([0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, *NO_PLACE],
+     [mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 1, 4)), mx.zeros((1, 1, 1, 1)),
+      mx.ones((1, 1, 4, 8))], "first position must be int32"),
+    ([0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 0, 0, *NO_PLACE], [mx.ones((1, 1, 4, 8))] * 2,
+     "extras 0-31"),
+    ([0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, *NO_PLACE],
+     [mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 3, 4)), mx.zeros((1, 1, 1, 1), mx.int32),
+      mx.ones((1, 1, 4, 8))], "inverse frequencies must be contiguous float32"),
 ])
 def test_bad_calls_are_refused_naming_the_problem(spec: list[int], arrays: list[mx.array],
                                                   message: str) -> None:
@@ -288,8 +295,9 @@ XKV_AFTER_ROPE = "xkv:group_layers=2,block=64,rank_k=30,rank_v=20,factor_bits=4,
     (XKV_AFTER_ROPE + ",window=8", 32, False),
     ("xkv:group_layers=2,block=64,rank_k=32,rank_v=32,factor_bits=4", 64, True),
     (XKV_AFTER_ROPE + ",window=8", 64, True),
-    # Keys rebuilt from the cached X and rotated in the op, value codes read as codes.
-    ("xquant", 32, False)])
+    # Keys rebuilt from the cached X's codes and rotated in the op, value codes read as
+    # codes.
+    ("xquant", 32, True)])
 def test_the_plain_loop_gives_the_same_logits_fused(method: str, head_dim: int,
                                                     projected: bool,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -370,6 +378,95 @@ def test_projected_parts_apply_their_factor_and_mean_in_the_op(
     assert _close(out, want) < 2e-5
 
 
+@pytest.mark.parametrize("bits,traditional,dims", [
+    (4, False, D), (None, True, D), (8, False, D // 2), (4, True, D // 2)])
+@pytest.mark.parametrize("n,shared", [(200, True), (native.THREADED_KEYS + 100, True),
+                                      (203, False)])
+def test_keys_stored_before_rope_are_rebuilt_and_rotated_in_the_op(
+        bits: int | None, traditional: bool, dims: int, n: int, shared: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # xKV's default and XQuant: keys a P_h + m_h stored before RoPE, rebuilt a few tokens at
+    # a time, rotated to positions 300 on and scored; against attention over the dense keys
+    # rotated by MLX's RoPE.
+    from veloxquant_mlx.ops import rope
+
+    monkeypatch.setattr(native, "THREADS", 2)
+    start = 300
+    rows, proj, mean, k = _factored(n, 32, 70, bits, shared)
+    v = _normal(n, 71)
+    tables = rope.tables(start, dims, 10000.0, traditional, 1.0)
+    queries = mx.random.normal((B, H, 3, D), key=mx.random.key(72)) * 0.125
+    calls = _counted(monkeypatch)
+    got = native.decode(queries, [native.Placed(rows, project=proj, mean=mean, rope=tables)],
+                        [DensePart(v)])
+    assert calls == [1]
+    rotated = mx.fast.rope(k, dims, traditional=traditional, base=10000.0, scale=1.0,
+                           offset=start)
+    want = mx.softmax(queries @ rotated.swapaxes(-1, -2), axis=-1) @ v
+    # The tables' angles round apart from mx.fast.rope's by about 3e-8 x position
+    # (ops.rope.angles): at positions past 2000 that alone reaches 2e-5.
+    assert _close(got, want) < (2e-5 if n < 1000 else 1e-4)
+    # The keys unrotated, or without their mean, are visibly off: the bound catches either.
+    mean_at = mx.broadcast_to(mean.astype(mx.float32), k.shape)
+    for wrong in (k, rotated - mx.fast.rope(mean_at, dims, traditional=traditional,
+                                            base=10000.0, scale=1.0, offset=start)):
+        assert _close(mx.softmax(queries @ wrong.swapaxes(-1, -2), axis=-1) @ v, want) > 1e-3
+
+
+def test_float_rows_are_rebuilt_too() -> None:
+    # Rows kept as floats (a window, XQuant-CL's layer input) with a float32 projection of
+    # an odd width: the column blocks of the rebuild and its single-column tail.
+    from veloxquant_mlx.ops import rope
+    from veloxquant_mlx.ops.parts import shared_by_heads
+
+    n, r, width = 45, 24, 40
+    a = mx.random.normal((B, n, r), key=mx.random.key(73))
+    p = mx.random.normal((B, H, r, width), key=mx.random.key(74)) / r ** 0.5
+    m = mx.random.normal((B, H, 1, width), key=mx.random.key(75))
+    v = mx.random.normal((B, H, n, 64), key=mx.random.key(76))
+    tables = rope.tables(9, width, 10000.0, False, 1.0)
+    queries = mx.random.normal((B, H, 2, width), key=mx.random.key(77)) * 0.2
+    got = native.decode(queries, [native.Placed(shared_by_heads(a, H), project=DensePart(p),
+                                                mean=m, rope=tables)],
+                        [token_codes(q.quantize(v, 8, 32))])
+    k = mx.fast.rope(a[:, None] @ p + m, width, traditional=False, base=10000.0, scale=1.0,
+                     offset=9)
+    want = mx.softmax(queries @ k.swapaxes(-1, -2), axis=-1) @ q.dequantize(
+        q.quantize(v, 8, 32), mx.float32)
+    assert _close(got, want) < 2e-5
+
+
+@pytest.mark.parametrize("method", [
+    "xkv:group_layers=2,block=512,rank_k=64,rank_v=64,factor_bits=4", "xquant"])
+def test_keys_stored_before_rope_leave_no_float_transient(
+        method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The user's loop at 1100 tokens: a decode step allocates far less than one layer's
+    # keys as floats. Rebuilt with MLX's ops (the path taken where the op cannot rebuild),
+    # the keys, their decoded factor and their RoPE tables were transients bigger than that.
+    # The first step after the prompt is left out: xKV compresses a block there.
+    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+    from veloxquant_mlx.testing.tiny import tiny_model
+
+    def step_peak() -> int:
+        model = tiny_model("llama", head_dim=64)
+        tokens = mx.random.randint(0, 128, (1, 1102), key=mx.random.key(3))
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig.from_string(method))
+        for i in range(0, 1100, 512):
+            mx.eval(model(tokens[:, i:min(i + 512, 1100)], cache=caches))
+        mx.eval(model(tokens[:, 1100:1101], cache=caches))
+        mx.synchronize()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        mx.eval(model(tokens[:, 1101:], cache=caches))
+        heads = model.layers[0].self_attn.n_kv_heads
+        return mx.get_peak_memory() - base, 1100 * heads * 64 * 4
+
+    peak, keys = step_peak()
+    assert peak < keys / 4
+    monkeypatch.setattr(native, "rebuildable", lambda *parts: False)
+    assert step_peak()[0] > keys  # the bound tells the two apart
+
+
 def test_a_projection_must_match_its_part() -> None:
     # A projection with a row per dim of its part and a mean of its width; a projected
     # part has no shift of its own.
@@ -381,7 +478,7 @@ def test_a_projection_must_match_its_part() -> None:
             (native.Placed(rows, project=proj, mean=mean[..., :32]),
              "mean must be floats"),
             (native.Placed(rows, project=proj, mean=mean, shift=mx.ones((B, H, 1, 1))),
-             "no shift, mass or rotation")]:
+             "no shift or mass")]:
         with pytest.raises(ValueError, match=message):
             mx.eval(native.decode(queries, [placed], [DensePart(_normal(8, 48))]))
 
@@ -503,7 +600,7 @@ def test_a_rotated_dense_part_gives_attention_over_rope_keys(traditional: bool,
     n, start = 70, 300
     k, v = _normal(n, 60), _normal(n, 61)
     qh = mx.random.normal((B, H, 3, D), key=mx.random.key(62)) * 0.125
-    tables = rope.tables(n, start, dims, 10000.0, traditional, 1.0)
+    tables = rope.tables(start, dims, 10000.0, traditional, 1.0)
     got = native.decode(qh, [native.Placed(DensePart(k), rope=tables)],
                         [token_codes(q.quantize(v, 8, 32))])
     rotated = mx.fast.rope(k, dims, traditional=traditional, base=10000.0, scale=1.0,
@@ -513,6 +610,29 @@ def test_a_rotated_dense_part_gives_attention_over_rope_keys(traditional: bool,
     # Unrotated keys differ visibly: the bound would catch a rotation left out.
     plain = native.decode(qh, [DensePart(k)], [token_codes(q.quantize(v, 8, 32))])
     assert _close(plain, want) > 1e-3
+
+
+@pytest.mark.parametrize("start", [0, 123_457])
+def test_the_ops_angles_are_those_of_the_librarys_rope(start: int) -> None:
+    # The op makes cos and sin as ops.rope.angles does (angle addition), each angle turned
+    # on from an exactly computed one at most seven times. The table rounds each product
+    # position x frequency once, about 3e-8 x position (ops.rope.angles), which the turns
+    # do not: that is the bound, 2e-5 near position 0, and a position off is far outside.
+    from veloxquant_mlx.ops import rope
+
+    n = 700
+    k, v = _normal(n, 63), _normal(n, 64)
+    qh = mx.random.normal((B, H, 3, D), key=mx.random.key(65)) * 0.125
+    tables = rope.tables(start, D, 10000.0, False, 1.0)
+    values = [token_codes(q.quantize(v, 8, 32))]
+    got = native.decode(qh, [native.Placed(DensePart(k), rope=tables)], values)
+    want = native.decode(qh, [DensePart(rope._rotate_by_table(k, D, 10000.0, False, 1.0,
+                                                               start))], values)
+    bound = 1e-5 + 3e-8 * (start + n)
+    assert _close(got, want) < bound
+    off = native.decode(qh, [DensePart(rope._rotate_by_table(k, D, 10000.0, False, 1.0,
+                                                               start + 1))], values)
+    assert _close(off, want) > 10 * bound
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

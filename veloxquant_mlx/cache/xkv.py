@@ -607,15 +607,19 @@ class XKVCache(CompressedCache):
                   ) -> tuple[native.Placed, mx.array | None]:
         """Basis ``j``'s keys for the fused op, and the projected queries ``q B^T`` it
         reads at query dims ``width:`` where the op cannot project them itself."""
-        if self.pre_rope:  # rebuilt, and rotated by the op as it reads them
-            bh, mh = self._member("keys", j)
-            a = self.leader._decoded_rows("keys", j)
+        rows, member = self._rows_part("keys", j, n), self._member_part("keys", j)
+        if self.pre_rope:
             info = self.layer
+            tables = rope_tables(start, info.rope_dims, info.rope_base,
+                                 info.rope_traditional, info.rope_scale)
+            if member is not None and native.rebuildable(rows, member[0]):
+                # rebuilt a few tokens at a time, rotated and scored by the op
+                return native.Placed(rows, project=member[0], mean=member[1], rope=tables), None
+            bh, mh = self._member("keys", j)  # rebuilt here, rotated by the op
+            a = self.leader._decoded_rows("keys", j)
             return native.Placed(
                 DensePart(self._rebuilt_keys(start, a[..., :n, :], bh, mh, False)),
-                rope=rope_tables(n, start, info.rope_dims, info.rope_base,
-                                 info.rope_traditional, info.rope_scale)), None
-        rows, member = self._rows_part("keys", j, n), self._member_part("keys", j)
+                rope=tables), None
         if member is not None:
             return native.Placed(rows, project=member[0], mean=member[1]), None
         bh, mh = self._member("keys", j)

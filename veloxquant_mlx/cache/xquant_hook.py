@@ -187,10 +187,10 @@ class XProjection:
         row of probabilities sums to one.
         """
         B, Hq, L, D = queries.shape
-        raw = [(start, self.keys(parts)) for start, parts in segments]  # before RoPE
-        fused = self._fused(queries, raw, segments, scale, mask)
+        fused = self._fused(queries, segments, scale, mask)
         if fused is not None:
             return fused
+        raw = [(start, self.keys(parts)) for start, parts in segments]  # before RoPE
         keys = [rope.apply(self.attn.rope, k, start) for start, k in raw]
         if not self.factored_pays(Hq * L):
             k = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
@@ -212,6 +212,38 @@ class XProjection:
             i += n
         return self._from_factor_space(mixed.reshape(B, H, rep * L, -1), queries)
 
+    def _key_part(self, start: int, parts: list[Any], batch: int) -> Any:
+        """A segment's keys for the fused op: where the model's RoPE is a plain ``nn.RoPE``
+        and the key factor is float, the stored rows with each head's factor (``Z M_h +
+        b_h``, rebuilt and rotated by the op a few tokens at a time); else keys rebuilt
+        here, rotated by the op as it reads them (or by the model's RoPE module)."""
+        H = self.n_kv_heads
+        rows = shared_by_heads(parts[0], H)
+        tables = rope.module_tables(self.attn.rope, start)
+        factor = self._key_factor(batch)
+        if tables is not None and factor is not None and native.rebuildable(rows, factor[0]):
+            return native.Placed(rows, project=factor[0], mean=factor[1], rope=tables)
+        k = self.keys(parts)
+        return (DensePart(rope.apply(self.attn.rope, k, start)) if tables is None
+                else native.Placed(DensePart(k), rope=tables))
+
+    def _key_factor(self, batch: int) -> tuple[DensePart, mx.array] | None:
+        """``M`` of the keys ``Z M + b`` per KV head ``[batch, H, w, D]`` (views, no copy)
+        and ``b`` per head ``[batch, H, 1, D]``; None where ``k_proj`` is not a float
+        matrix (a quantized model's keys come from its own layer)."""
+        if self.latent:
+            m = self.sk[:, None] * self.vk.T
+        elif _is_view(self.attn.k_proj):
+            m = weight_in_out(self.attn.k_proj)
+        else:
+            return None
+        H, w = self.n_kv_heads, m.shape[0]
+        per_head = m.reshape(w, H, -1).transpose(1, 0, 2)[None]
+        D = per_head.shape[-1]
+        bias = self.bk if self.bk is not None else mx.zeros((H * D,), mx.float32)
+        return (DensePart(mx.broadcast_to(per_head, (batch, H, w, D))),
+                mx.broadcast_to(bias.reshape(1, H, 1, D), (batch, H, 1, D)))
+
     def _from_factor_space(self, mixed: mx.array, queries: mx.array) -> mx.array:
         """Outputs ``[B, Hq, L, Dv]`` from the probabilities' products with the stored
         value form, ``mixed`` ``[B, H, rows, w]``: its factor per KV head, then the bias."""
@@ -224,25 +256,18 @@ class XProjection:
             out = out + self.bv.reshape(H, 1, -1)
         return out.reshape(B, Hq, L, -1).astype(queries.dtype)
 
-    def _fused(self, queries: mx.array, raw: list[tuple[int, mx.array]],
-               segments: list[tuple[int, list[Any]]], scale: float, mask: Any
-               ) -> mx.array | None:
-        """The attention in one fused CPU op (``ops.native``): the rebuilt keys ``raw``
-        (first position, keys before RoPE) as dense parts, rotated by the op as it reads
-        them where the model's RoPE is a plain ``nn.RoPE``; the stored value form as parts
-        shared by the KV heads (codes read as codes); None where it does not run (then
-        MLX's ops)."""
+    def _fused(self, queries: mx.array, segments: list[tuple[int, list[Any]]], scale: float,
+               mask: Any) -> mx.array | None:
+        """The attention in one fused CPU op (``ops.native``): each segment's keys
+        (:meth:`_key_part`), the stored value form as parts shared by the KV heads (codes
+        read as codes); None where it does not run (then MLX's ops)."""
         B, Hq, L, D = queries.shape
-        H = raw[0][1].shape[1]
-        causal = native.causal_for(queries, mask, H, sum(k.shape[2] for _, k in raw))
+        H = self.n_kv_heads
+        values = [shared_by_heads(parts[-1], H) for _, parts in segments]
+        causal = native.causal_for(queries, mask, H, sum(v.n for v in values))
         if causal is None or not self.factored_pays(Hq * L):
             return None
-        values = [shared_by_heads(parts[-1], H) for _, parts in segments]
-        key_parts: list[Any] = []
-        for start, k in raw:
-            tables = rope.module_tables(self.attn.rope, k.shape[2], start)
-            key_parts.append(DensePart(rope.apply(self.attn.rope, k, start)) if tables is None
-                             else native.Placed(DensePart(k), rope=tables))
+        key_parts = [self._key_part(start, parts, B) for start, parts in segments]
         q = (queries * scale).reshape(B, H, Hq // H * L, D)
         mixed = native.decode(q, key_parts, values, causal)
         return None if mixed is None else self._from_factor_space(mixed, queries)

@@ -40,7 +40,7 @@ KIND = {"dense": 0, "token": 1, "channel": 2}
 # per part: kind, bits, group, biases, table, query offset, output offset, extras, then its
 # projection's kind, bits, group, biases, table
 SPEC_INTS = 13
-SHIFT, MASS, ROTATE, PROJECT = 1, 2, 4, 8  # extras
+SHIFT, MASS, ROTATE, PROJECT, PAIRS = 1, 2, 4, 8, 16  # extras
 
 
 @dataclass
@@ -50,11 +50,13 @@ class Placed:
     ``shift`` ``[B, H, rows, 1]`` (``q . m``); as values, ``p @ a`` goes to output dims
     ``ooff:ooff + D`` and, with ``mass``, the part's probability mass to dim ``ooff + D``
     (the cache applies ``B`` and ``m`` after the op). A dense key part with ``rope``
-    (``ops.rope.Tables``) is rotated to its positions as the op reads it (keys rebuilt
-    before RoPE). With ``project`` (a part ``[B, H, r, Dp]`` holding ``B`` per head, dense
-    or token rows) and ``mean`` (``[B, H, 1, Dp]``), the op applies ``B`` and ``m`` itself:
-    a key part projects query dims ``qoff:qoff + Dp`` and adds ``q . m``; a value part adds
-    ``(p @ a) B + (sum p) m`` to output dims ``ooff:ooff + Dp`` (no shift or mass then).
+    (``ops.rope.Tables``) is rotated to its positions as the op reads it. With ``project``
+    (a part ``[B, H, r, Dp]`` holding ``B`` per head, dense or token rows) and ``mean``
+    (``[B, H, 1, Dp]``), the op applies ``B`` and ``m`` itself: a key part projects query
+    dims ``qoff:qoff + Dp`` and adds ``q . m``; a value part adds ``(p @ a) B + (sum p) m``
+    to output dims ``ooff:ooff + Dp`` (no shift or mass then). A key part with both
+    ``project`` and ``rope`` holds keys stored before RoPE: the op rebuilds ``a B + m`` a
+    few tokens at a time and rotates them (:func:`rebuildable` says which forms).
     The kernel only: no MLX path reads it."""
 
     part: Any
@@ -139,14 +141,23 @@ def _described(parts: Sequence[Any]) -> tuple[list[int], list[mx.array]] | None:
         (head, arrs), (tail, proj_arrs) = form, projection
         shift, rope = getattr(p, "shift", None), getattr(p, "rope", None)
         extras = (SHIFT if shift is not None else 0) | (MASS if getattr(p, "mass", False) else 0)
-        if rope is not None:  # a rotated dense part: bits says the pairing, group the dims
-            extras, head[1], head[2] = extras | ROTATE, int(rope.traditional), rope.dims
+        if rope is not None:  # the frequencies give the dims; the extra says the pairing
+            extras |= ROTATE | (PAIRS if rope.traditional else 0)
         extras |= PROJECT if project is not None else 0
         spec += [*head, getattr(p, "qoff", 0), getattr(p, "ooff", 0), extras, *tail]
         arrays += [*arrs, *([shift] if shift is not None else []),
-                   *([rope.cos, rope.sin] if rope is not None else []),
+                   *([rope.inv, rope.start] if rope is not None else []),
                    *([*proj_arrs, p.mean] if project is not None else [])]
     return spec, arrays
+
+
+def rebuildable(*parts: Any) -> bool:
+    """Whether the op rebuilds keys from these parts (a token factor and its projection):
+    dense, or token codes without a table in groups of a multiple of 16 dims (the op
+    decodes a row 16 values at a time)."""
+    forms = [_form(p) for p in parts]
+    return all(f is not None and (f[0][0] == KIND["dense"] or (not f[0][4] and f[0][2] % 16 == 0))
+               for f in forms)
 
 
 def usable(dtype: mx.Dtype) -> bool:

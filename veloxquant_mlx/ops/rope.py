@@ -57,28 +57,36 @@ FINE = 32  # positions per step of the coarse table (see ``angles``)
 
 @dataclass(frozen=True)
 class Tables:
-    """RoPE's angles of a run of positions for a kernel that rotates as it reads
-    (``ops.native.Placed``): ``cos``/``sin`` ``[1, 1, length, dims // 2]``."""
+    """RoPE of a run of positions for a kernel that rotates as it reads
+    (``ops.native.Placed``): the inverse frequencies ``inv`` ``[1, 1, 1, dims // 2]``
+    and the first position ``start`` ``[1, 1, 1, 1]`` int32. The kernel makes each
+    position's cos and sin as :func:`angles` does, a few tokens at a time: no table sized
+    by the tokens exists."""
 
-    cos: mx.array
-    sin: mx.array
+    inv: mx.array
+    start: mx.array
     dims: int
     traditional: bool
 
 
-def tables(length: int, offset: int, dims: int, base: float, traditional: bool,
-           scale: float) -> Tables:
-    """:class:`Tables` of positions ``offset .. offset+length-1`` (:func:`angles`)."""
-    cos, sin = angles(length, offset, dims, base, scale)
-    return Tables(cos[None, None], sin[None, None], dims, traditional)
+def tables(offset: int, dims: int, base: float, traditional: bool, scale: float) -> Tables:
+    """:class:`Tables` of positions from ``offset`` on."""
+    return Tables(_inverse(dims, base, scale)[None, None, None],
+                  mx.array([offset], dtype=mx.int32)[None, None, None], dims, traditional)
 
 
-def module_tables(module: nn.Module, length: int, offset: int) -> Tables | None:
+def module_tables(module: nn.Module, offset: int) -> Tables | None:
     """:func:`tables` of a model's RoPE module when it is a plain ``nn.RoPE``; None for
     scaled variants (their own frequencies: the module must rotate)."""
     if type(module) is not nn.RoPE:
         return None
-    return tables(length, offset, module.dims, module.base, module.traditional, module.scale)
+    return tables(offset, module.dims, module.base, module.traditional, module.scale)
+
+
+def _inverse(dims: int, base: float, scale: float) -> mx.array:
+    """RoPE's ``dims // 2`` inverse frequencies, times ``scale``."""
+    half = dims // 2
+    return mx.exp(-mx.arange(0, half, dtype=mx.float32) * (math.log(base) / half)) * scale
 
 
 def angles(length: int, offset: int, dims: int, base: float,
@@ -94,7 +102,7 @@ def angles(length: int, offset: int, dims: int, base: float,
     about 3e-8 x position x their largest coordinate, the size of a float32 angle's
     own rounding there."""
     half = dims // 2
-    inv = mx.exp(-mx.arange(0, half, dtype=mx.float32) * (math.log(base) / half)) * scale
+    inv = _inverse(dims, base, scale)
     coarse = (offset + FINE * mx.arange(0, -(-length // FINE), dtype=mx.float32))[:, None] * inv
     fine = mx.arange(0, FINE, dtype=mx.float32)[:, None] * inv
     cc, sc, cf, sf = mx.cos(coarse)[:, None], mx.sin(coarse)[:, None], mx.cos(fine), mx.sin(fine)
