@@ -63,6 +63,34 @@ def test_truncated_rank_is_best_approximation():
     assert err == pytest.approx(best, rel=1e-3)
 
 
+def test_both_streams_at_once_give_each_streams_own_basis():
+    # Keys and values decomposed side by side: each stream's basis is the one its own SVD
+    # gives (its own rank), handed to every member.
+    together, apart = XKVCoordinator(), XKVCoordinator()
+    keys, values = _members(seed=1), _members(seed=2)
+    for coord in (together, apart):
+        _publish_all(coord, keys, stream="keys")
+        _publish_all(coord, values, stream="values")
+    got = [together.get_shared_bases(0, 0, G, {"keys": 6, "values": 4}) for _ in range(G)]
+    want = {"keys": apart.get_shared_basis(0, 0, G, rank=6, stream="keys"),
+            "values": apart.get_shared_basis(0, 0, G, rank=4, stream="values")}
+    for stream, (A, B, s) in want.items():
+        assert got[0][stream][0].shape == A.shape
+        assert mx.allclose(got[0][stream][2], s, rtol=1e-4).item()
+        # Equal up to each singular vector's sign: compare the rank-r reconstructions.
+        assert mx.allclose(got[0][stream][0] @ got[0][stream][1][0], A @ B[0],
+                           atol=1e-4).item()
+        assert all(g[stream][0] is got[0][stream][0] for g in got)
+
+
+def test_one_stream_ready_without_the_other_is_an_error():
+    coord = XKVCoordinator()
+    assert coord.get_shared_bases(0, 0, G, {"keys": 4, "values": 4}) is None
+    _publish_all(coord, _members(), stream="keys")
+    with pytest.raises(ValueError, match=r"basis of \['keys'\] is ready but not of"):
+        coord.get_shared_bases(0, 0, G, {"keys": 4, "values": 4})
+
+
 def test_memoized_identical_objects_for_every_member():
     coord = XKVCoordinator()
     _publish_all(coord, _members())

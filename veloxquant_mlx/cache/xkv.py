@@ -358,15 +358,15 @@ class XKVCache(CompressedCache):
     def _fetch(self, kind: str, start: int, n: int) -> dict[str, Any] | None:
         """The coordinator's result of a published unit for both streams, or None."""
         info, coord = self.layer, self.layer.coordinator
+        if kind == "basis":  # both streams' SVDs side by side
+            return coord.get_shared_bases(
+                info.group_id, start, info.group_size,
+                {stream: self._unit_rank(stream, n) for stream in STREAMS},
+                self.opts.energy_threshold)
         got = {}
         for stream in STREAMS:
-            if kind == "basis":
-                got[stream] = coord.get_shared_basis(
-                    info.group_id, start, info.group_size, self._unit_rank(stream, n),
-                    self.opts.energy_threshold, stream=stream)
-            else:
-                got[stream] = coord.get_projection(info.group_id, start, info.group_size,
-                                                   stream=stream)
+            got[stream] = coord.get_projection(info.group_id, start, info.group_size,
+                                               stream=stream)
             if got[stream] is None:
                 if stream == "values":
                     raise RuntimeError(

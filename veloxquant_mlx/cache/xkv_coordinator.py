@@ -41,7 +41,7 @@ import math
 
 import mlx.core as mx
 
-from veloxquant_mlx.ops.svd import truncated_svd
+from veloxquant_mlx.ops.svd import truncated_svds
 
 STREAMS = ("keys", "values")
 
@@ -129,9 +129,43 @@ class XKVCoordinator:
         every member gets the same objects. ``rank``/``energy_threshold`` are read
         only on that triggering call.
         """
-        key = (stream, group_id, token_start)
-        if key in self._bases:
-            return self._hand_out(key, expected_members)
+        got = self.get_shared_bases(group_id, token_start, expected_members, {stream: rank},
+                                    energy_threshold)
+        return None if got is None else got[stream]
+
+    def get_shared_bases(self, group_id: int, token_start: int, expected_members: int,
+                         ranks: dict[str, int | None], energy_threshold: float = 0.95
+                         ) -> dict[str, tuple[mx.array, mx.array, mx.array]] | None:
+        """:meth:`get_shared_basis` of several streams (keys and values, ``ranks`` per
+        stream) at once: their SVDs run side by side (``ops.svd.truncated_svds``).
+        ``None`` while no stream's members have all published; one stream complete
+        without the others is an error (members publish both together)."""
+        keys = {stream: (stream, group_id, token_start) for stream in ranks}
+        ready = {}
+        for stream, key in keys.items():
+            if key not in self._bases:
+                x = self._basis_input(key, expected_members, ranks[stream], energy_threshold)
+                if x is not None:
+                    ready[stream] = x
+        if ready:
+            triples = truncated_svds(list(ready.values()), [ranks[s] for s in ready],
+                                     energy_threshold)
+            for stream, triple in zip(ready, triples):
+                self._keep_basis(keys[stream], triple, expected_members)
+        waiting = [stream for stream, key in keys.items() if key not in self._bases]
+        if len(waiting) == len(keys):
+            return None
+        if waiting:
+            raise ValueError(f"group {group_id} at token_start={token_start}: the basis of "
+                             f"{sorted(set(keys) - set(waiting))} is ready but not of "
+                             f"{waiting}: a member published one stream without the other")
+        return {stream: self._hand_out(key, expected_members) for stream, key in keys.items()}
+
+    def _basis_input(self, key: tuple, expected_members: int, rank: int | None,
+                     energy_threshold: float) -> mx.array | None:
+        """The members' matrices side by side ``[.., S, G*D]`` once all have published
+        (None before); checks what they published."""
+        stream, group_id, token_start = key
         if key in self._done:
             raise ValueError(
                 f"group {group_id} {stream} at token_start={token_start}: the basis was "
@@ -153,20 +187,21 @@ class XKVCoordinator:
         shapes = {tuple(p.shape) for p in parts}
         if len(shapes) != 1:
             raise ValueError(f"group {group_id}: members published different shapes {shapes}")
-        S, D = parts[0].shape[-2], parts[0].shape[-1]
-        G = expected_members
-        _check_rank(group_id, rank, S, G, D)
-        x = mx.concatenate([p.astype(mx.float32) for p in parts], axis=-1)  # [.., S, G*D]
-        u, s, vt = truncated_svd(x, rank=rank, energy=energy_threshold)
+        _check_rank(group_id, rank, parts[0].shape[-2], expected_members, parts[0].shape[-1])
+        return mx.concatenate([p.astype(mx.float32) for p in parts], axis=-1)
+
+    def _keep_basis(self, key: tuple, triple: tuple[mx.array, mx.array, mx.array],
+                    members: int) -> None:
+        """Memoizes ``(A, B per member, s)`` from the SVD of the members' matrices; the
+        raw matrices are dropped."""
+        u, s, vt = triple
         b = s[..., :, None] * vt  # [.., r, G*D]
-        b = b.reshape(*b.shape[:-1], G, D)  # [.., r, G, D]
+        b = b.reshape(*b.shape[:-1], members, -1)  # [.., r, G, D]
         b = mx.moveaxis(b, -2, 0)  # [G, .., r, D]
-        triple = (u, b, s)
-        mx.eval(*triple)
+        mx.eval(u, b, s)
         self.svd_calls += 1
         del self._pending[key]  # the raw member matrices are no longer needed
-        self._bases[key] = [triple, 0]
-        return self._hand_out(key, expected_members)
+        self._bases[key] = [(u, b, s), 0]
 
     def _hand_out(self, key: tuple, expected_members: int):
         slot = self._bases[key]

@@ -9,7 +9,8 @@ accurate in float32 and only the truncated tail loses precision.
 The eigendecomposition runs with OpenBLAS limited to one thread when OpenBLAS is
 loaded (``LD_PRELOAD``): LAPACK's many synchronisation points make it collapse on
 a shared machine (measured, 2 cores under load: ``eigh`` of [768, 768] 1.5-8 s with
-the default threads, 0.08 s with one).
+the default threads, 0.08 s with one). Several matrices' eigendecompositions (xKV's keys
+and values of a block) run side by side, each on its own CPU stream.
 """
 
 from __future__ import annotations
@@ -47,11 +48,20 @@ def single_thread_blas() -> Iterator[None]:
         set_(before)
 
 
-def _eigh(g: mx.array) -> tuple[mx.array, mx.array]:
+_STREAMS: list[mx.Stream] = []  # CPU streams the eigendecompositions run on side by side
+
+
+def _eighs(gs: list[mx.array]) -> list[tuple[mx.array, mx.array]]:
+    """``eigh`` of each symmetric matrix, two at a time on their own CPU streams (MLX runs
+    each stream on its own thread; LAPACK on one thread each): xKV's keys and values of
+    a block took 82 ms one after the other, 43-52 ms side by side (a throwaway script)."""
+    if not _STREAMS:
+        _STREAMS.extend(mx.new_stream(mx.cpu) for _ in range(2))
+    mx.eval(gs)  # the Gram products with BLAS's threads, before LAPACK runs on one
     with single_thread_blas():
-        w, v = mx.linalg.eigh(g, stream=mx.cpu)
-        mx.eval(w, v)
-    return w, v
+        out = [mx.linalg.eigh(g, stream=_STREAMS[i % len(_STREAMS)]) for i, g in enumerate(gs)]
+        mx.eval(out)
+    return out
 
 
 def rank_for_energy(s: mx.array, energy: float) -> int:
@@ -75,23 +85,33 @@ def truncated_svd(x: mx.array, rank: int | None = None,
 
     ``rank`` fixes r (must be <= min(S, D)); otherwise r comes from ``energy``.
     """
-    S, D = x.shape[-2], x.shape[-1]
-    if rank is not None and not 1 <= rank <= min(S, D):
-        raise ValueError(f"rank={rank} must be in [1, min(S={S}, D={D})]")
-    x = x.astype(mx.float32)
-    xt = x.swapaxes(-1, -2)
-    if S > D:
-        w, v = _eigh(xt @ x)  # ascending eigenvalues
-        s = mx.sqrt(mx.maximum(w[..., ::-1], 0.0))
-        r = rank if rank is not None else rank_for_energy(s, energy)
-        vr = v[..., :, ::-1][..., :, :r]
-        s = s[..., :r]
-        u = (x @ vr) / mx.maximum(s, 1e-12)[..., None, :]
-        return u, s, vr.swapaxes(-1, -2)
-    w, u = _eigh(x @ xt)
+    return truncated_svds([x], [rank], energy)[0]
+
+
+def truncated_svds(xs: list[mx.array], ranks: list[int | None], energy: float = 0.95
+                   ) -> list[tuple[mx.array, mx.array, mx.array]]:
+    """:func:`truncated_svd` of each matrix, their eigendecompositions side by side."""
+    grams = []
+    for x, rank in zip(xs, ranks, strict=True):
+        S, D = x.shape[-2], x.shape[-1]
+        if rank is not None and not 1 <= rank <= min(S, D):
+            raise ValueError(f"rank={rank} must be in [1, min(S={S}, D={D})]")
+        x = x.astype(mx.float32)
+        grams.append(x.swapaxes(-1, -2) @ x if S > D else x @ x.swapaxes(-1, -2))
+    return [_triple(x.astype(mx.float32), w, v, rank, energy)
+            for x, rank, (w, v) in zip(xs, ranks, _eighs(grams))]
+
+
+def _triple(x: mx.array, w: mx.array, v: mx.array, rank: int | None, energy: float
+            ) -> tuple[mx.array, mx.array, mx.array]:
+    """The triple of ``x`` from its Gram matrix's eigenpairs (ascending eigenvalues): of
+    ``x^T x`` for a tall ``x``, else of ``x x^T``."""
     s = mx.sqrt(mx.maximum(w[..., ::-1], 0.0))
     r = rank if rank is not None else rank_for_energy(s, energy)
-    ur = u[..., :, ::-1][..., :, :r]
+    vr = v[..., :, ::-1][..., :, :r]
     s = s[..., :r]
-    vt = (ur.swapaxes(-1, -2) @ x) / mx.maximum(s, 1e-12)[..., :, None]
-    return ur, s, vt
+    if x.shape[-2] > x.shape[-1]:
+        u = (x @ vr) / mx.maximum(s, 1e-12)[..., None, :]
+        return u, s, vr.swapaxes(-1, -2)
+    vt = (vr.swapaxes(-1, -2) @ x) / mx.maximum(s, 1e-12)[..., :, None]
+    return vr, s, vt
