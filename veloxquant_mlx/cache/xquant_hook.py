@@ -237,12 +237,18 @@ class XProjection:
             m = weight_in_out(self.attn.k_proj)
         else:
             return None
+        return self._per_head(m, self.bk, batch)
+
+    def _per_head(self, m: mx.array, bias: mx.array | None, batch: int
+                  ) -> tuple[DensePart, mx.array]:
+        """A factor ``[w, H * d]`` per KV head ``[batch, H, w, d]`` and its bias per head
+        ``[batch, H, 1, d]`` (zeros without), views for the fused op."""
         H, w = self.n_kv_heads, m.shape[0]
         per_head = m.reshape(w, H, -1).transpose(1, 0, 2)[None]
-        D = per_head.shape[-1]
-        bias = self.bk if self.bk is not None else mx.zeros((H * D,), mx.float32)
-        return (DensePart(mx.broadcast_to(per_head, (batch, H, w, D))),
-                mx.broadcast_to(bias.reshape(1, H, 1, D), (batch, H, 1, D)))
+        d = per_head.shape[-1]
+        bias = bias if bias is not None else mx.zeros((H * d,), mx.float32)
+        return (DensePart(mx.broadcast_to(per_head, (batch, H, w, d))),
+                mx.broadcast_to(bias.reshape(1, H, 1, d), (batch, H, 1, d)))
 
     def _from_factor_space(self, mixed: mx.array, queries: mx.array) -> mx.array:
         """Outputs ``[B, Hq, L, Dv]`` from the probabilities' products with the stored
@@ -260,17 +266,20 @@ class XProjection:
                mask: Any) -> mx.array | None:
         """The attention in one fused CPU op (``ops.native``): each segment's keys
         (:meth:`_key_part`), the stored value form as parts shared by the KV heads (codes
-        read as codes); None where it does not run (then MLX's ops)."""
+        read as codes) that carry ``R_v`` and ``b_v`` per head (the op adds ``(p Z_v)
+        R_v + b_v``); None where it does not run (then MLX's ops)."""
         B, Hq, L, D = queries.shape
         H = self.n_kv_heads
-        values = [shared_by_heads(parts[-1], H) for _, parts in segments]
-        causal = native.causal_for(queries, mask, H, sum(v.n for v in values))
+        rows = [shared_by_heads(parts[-1], H) for _, parts in segments]
+        causal = native.causal_for(queries, mask, H, sum(v.n for v in rows))
         if causal is None or not self.factored_pays(Hq * L):
             return None
         key_parts = [self._key_part(start, parts, B) for start, parts in segments]
+        factor, bias = self._per_head(self._value_factor(), self.bv, B)
+        values = [native.Placed(v, project=factor, mean=bias) for v in rows]
         q = (queries * scale).reshape(B, H, Hq // H * L, D)
-        mixed = native.decode(q, key_parts, values, causal)
-        return None if mixed is None else self._from_factor_space(mixed, queries)
+        out = native.decode(q, key_parts, values, causal)
+        return None if out is None else out.reshape(B, Hq, L, -1).astype(queries.dtype)
 
 
 def _is_view(linear: nn.Module) -> bool:
