@@ -41,7 +41,8 @@
 // each head's softmax first, then the part's tokens split between the threads.
 //
 // floats_of: token-coded rows as float32 in one op, for caches that rebuild from codes
-// with a matmul (xKV's factors, XQuant): MLX's ops took several passes over the rows.
+// with a matmul where this op does not (XQuant-CL's layer input, the MLX path of xKV and
+// XQuant): MLX's ops took several passes over the rows.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
