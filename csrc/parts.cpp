@@ -330,7 +330,6 @@ void decode_row(const uint8_t* codes, const float* s, const float* z, int64_t D,
   }
 }
 
-
 // L bytes as L words (GCC's generic conversion extracted them one by one).
 inline vu widen(const uint8_t* p) {
 #if defined(__AVX512F__)
@@ -815,17 +814,21 @@ std::vector<float> projection_mean(const Part& pt, int64_t b, int64_t h) {
 // Width of the query dims a key part reads (its projection's, when projected).
 inline int64_t read_width(const Part& pt) { return pt.proj ? pt.proj->D : pt.D; }
 
+// Width of the query rows a key part's kernel takes: the projected queries' (its rank), or
+// the queries' own dims where the kernel rebuilds the keys.
+inline int64_t query_width(const Part& pt) { return rebuilds(pt) ? pt.proj->D : pt.D; }
+
 // Dims [qoff, qoff + D) of R query rows (stride Dq): R rows of D.
 void query_dims(const float* q, int64_t R, int64_t Dq, int64_t qoff, int64_t D, float* out) {
   for (int64_t r = 0; r < R; ++r) std::copy_n(q + r * Dq + qoff, D, out + r * D);
 }
 
-// A key part's queries, R rows of pt.D, from dims [qoff, qoff + read_width) of the query
-// rows (stride Dq): copied, or projected onto its factor for head (b, h): q P^T is the
-// scores of the query against P's rows, so the key kernels compute it from P's codes.
+// A key part's queries, R rows of query_width, from dims [qoff, qoff + read_width) of the
+// query rows (stride Dq): copied, or projected onto its factor for head (b, h): q P^T is
+// the scores of the query against P's rows, so the key kernels compute it from P's codes.
 void part_queries(const Part& pt, int64_t b, int64_t h, const float* q, int64_t R, int64_t Dq,
                   float* out) {
-  if (!pt.proj) return query_dims(q, R, Dq, pt.qoff, pt.D, out);
+  if (!pt.proj || rebuilds(pt)) return query_dims(q, R, Dq, pt.qoff, query_width(pt), out);
   const Part& P = *pt.proj;
   std::vector<float> own;
   if (pt.qoff != 0 || P.D != Dq) own.resize(R * P.D), query_dims(q, R, Dq, pt.qoff, P.D, own.data());
@@ -848,6 +851,14 @@ std::vector<float> score_shift(const Part& pt, int64_t b, int64_t h, const float
   return shift;
 }
 
+// Scores of a key part's R query rows (of query_width) for each head h .. h + nh: a part
+// shared by the heads is read once for all of them.
+void scores_into(const Part& pt, int64_t b, int64_t h, int64_t nh, const float* q, int64_t R,
+                 float* out, int64_t ld) {
+  if (rebuilds(pt)) return rebuilt_keys(pt, b, h, nh, q, R, out, ld);
+  keys_into(pt, b, h, q, nh * R, out, ld);
+}
+
 // Scores of a key part placed at dims [qoff, ...) of the query rows (stride Dq), plus its
 // per-row shift; `pre`: the head's rows of scores computed for every head at once.
 void placed_keys(const Part& pt, int64_t b, int64_t h, const std::vector<float>& q, int64_t Dq,
@@ -856,14 +867,10 @@ void placed_keys(const Part& pt, int64_t b, int64_t h, const std::vector<float>&
     for (int64_t r = 0; r < R; ++r) std::copy_n(pre + (h * R + r) * pt.n, pt.n, out + r * ld);
   } else if (pt.qoff == 0 && pt.D == Dq && !pt.proj) {
     keys_into(pt, b, h, q.data(), R, out, ld);
-  } else if (rebuilds(pt)) {
-    std::vector<float> own(R * pt.proj->D);
-    query_dims(q.data(), R, Dq, pt.qoff, pt.proj->D, own.data());
-    rebuilt_keys(pt, b, h, 1, own.data(), R, out, ld);
   } else {
-    std::vector<float> own(R * pt.D);
+    std::vector<float> own(R * query_width(pt));
     part_queries(pt, b, h, q.data(), R, Dq, own.data());
-    keys_into(pt, b, h, own.data(), R, out, ld);
+    scores_into(pt, b, h, 1, own.data(), R, out, ld);
   }
   const auto shift = score_shift(pt, b, h, q.data(), R, Dq);
   for (size_t r = 0; r < shift.size(); ++r)
@@ -969,16 +976,11 @@ Shared shared_scores(const Plan& pl, int threads) {
     for (size_t i = 0; i < keys.size(); ++i) {
       if (out[b][i].empty()) continue;
       const Part& pt = keys[i];
-      const int64_t D = rebuilds(pt) ? pt.proj->D : pt.D;  // rebuilt: the queries' own dims
+      const int64_t D = query_width(pt);
       Job job{&pt, own ? 0 : b, std::vector<float>(HR * D), out[b][i].data()};
-      for (int64_t h = 0; h < pl.H; ++h) {
-        const auto q = load_matrix(pl.q, b, h, R, pl.D);
-        if (rebuilds(pt)) {
-          query_dims(q.data(), R, pl.D, pt.qoff, D, job.q.data() + h * R * D);
-        } else {
-          part_queries(pt, job.pb, h, q.data(), R, pl.D, job.q.data() + h * R * D);
-        }
-      }
+      for (int64_t h = 0; h < pl.H; ++h)
+        part_queries(pt, job.pb, h, load_matrix(pl.q, b, h, R, pl.D).data(), R, pl.D,
+                     job.q.data() + h * R * D);
       jobs.push_back(std::move(job));
     }
   }
@@ -987,13 +989,8 @@ Shared shared_scores(const Plan& pl, int threads) {
     for (const auto& job : jobs) {
       const int64_t n = job.pt->n, step = (n + threads * L - 1) / (threads * L) * L;
       const int64_t t0 = w * step, t1 = std::min(n, t0 + step);  // whole lane blocks
-      if (t0 >= t1) continue;
-      const Part part = tokens(*job.pt, t0, t1);
-      if (rebuilds(part)) {
-        rebuilt_keys(part, job.pb, 0, pl.H, job.q.data(), R, job.sc + t0, n);
-      } else {
-        keys_into(part, job.pb, 0, job.q.data(), HR, job.sc + t0, n);
-      }
+      if (t0 < t1)
+        scores_into(tokens(*job.pt, t0, t1), job.pb, 0, pl.H, job.q.data(), R, job.sc + t0, n);
     }
   });
   return out;

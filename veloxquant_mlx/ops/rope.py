@@ -61,18 +61,17 @@ class Tables:
     (``ops.native.Placed``): the inverse frequencies ``inv`` ``[1, 1, 1, dims // 2]``
     and the first position ``start`` ``[1, 1, 1, 1]`` int32. The kernel makes each
     position's cos and sin as :func:`angles` does, a few tokens at a time: no table sized
-    by the tokens exists."""
+    by the tokens exists. The rotated dims are twice the frequencies."""
 
     inv: mx.array
     start: mx.array
-    dims: int
     traditional: bool
 
 
 def tables(offset: int, dims: int, base: float, traditional: bool, scale: float) -> Tables:
     """:class:`Tables` of positions from ``offset`` on."""
     return Tables(_inverse(dims, base, scale)[None, None, None],
-                  mx.array([offset], dtype=mx.int32)[None, None, None], dims, traditional)
+                  mx.array([offset], dtype=mx.int32)[None, None, None], traditional)
 
 
 def module_tables(module: nn.Module, offset: int) -> Tables | None:

@@ -91,15 +91,14 @@ def truncated_svd(x: mx.array, rank: int | None = None,
 def truncated_svds(xs: list[mx.array], ranks: list[int | None], energy: float = 0.95
                    ) -> list[tuple[mx.array, mx.array, mx.array]]:
     """:func:`truncated_svd` of each matrix, their eigendecompositions side by side."""
+    xs = [x.astype(mx.float32) for x in xs]
     grams = []
     for x, rank in zip(xs, ranks, strict=True):
         S, D = x.shape[-2], x.shape[-1]
         if rank is not None and not 1 <= rank <= min(S, D):
             raise ValueError(f"rank={rank} must be in [1, min(S={S}, D={D})]")
-        x = x.astype(mx.float32)
         grams.append(x.swapaxes(-1, -2) @ x if S > D else x @ x.swapaxes(-1, -2))
-    return [_triple(x.astype(mx.float32), w, v, rank, energy)
-            for x, rank, (w, v) in zip(xs, ranks, _eighs(grams))]
+    return [_triple(x, w, v, rank, energy) for x, rank, (w, v) in zip(xs, ranks, _eighs(grams))]
 
 
 def _triple(x: mx.array, w: mx.array, v: mx.array, rank: int | None, energy: float
