@@ -3,6 +3,8 @@ measured speed: what each cache declares it costs, and the limits derived from i
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -101,11 +103,29 @@ def test_the_limit_is_set_by_bytes_or_by_flops_whichever_binds() -> None:
     assert heavy["serial_limit"] == pytest.approx(1.0 / 2.6)
     assert small["serial_limit"] == pytest.approx(1.0 / 0.7)
     assert heavy["of_serial"] == pytest.approx(0.5 * 2.6)
+    # Absolute: the serial bound in seconds, and its share of a measured step.
+    assert heavy["bound_step_s"] == pytest.approx(2.6e-6)
+    heavy["decode_tok_s"] = 1e5  # 10 us a step
+    bench._roofline(heavy, dense, 600, 2000, rates)
+    assert heavy["of_bound"] == pytest.approx(0.26)
 
 
-def test_machine_rates_are_measured() -> None:
-    rates = bench.machine_rates(repeats=1)
-    assert rates["read_bytes_per_s"] > 1e8 and rates["matmul_flops_per_s"] > 1e8
+def test_the_read_rate_is_no_slower_than_a_real_read() -> None:
+    """A bound must not be slower than what it bounds: a decode step reads its weights
+    through a vector-matrix product, so the read rate is at least that product's (MLX's
+    sum alone read at a third of it: every byte limit came out too low)."""
+    rates = bench.machine_rates(repeats=2)
+    a, v = mx.random.normal((4096, 4096)), mx.random.normal((1, 4096))
+    mx.eval(a, v)
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        mx.eval(v @ a)
+        times.append(time.perf_counter() - t0)
+    product = a.nbytes / min(times[1:])
+    assert rates["read_bytes_per_s"] >= 0.8 * product
+    assert rates["read_bytes_per_s"] >= rates["mlx_read_bytes_per_s"]
+    assert rates["matmul_flops_per_s"] > 1e8
 
 
 def test_the_profile_takes_the_specs_as_every_benchmark_does() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from conftest import prefill_then_decode
+from conftest import prefill, prefill_then_decode
 from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
@@ -111,6 +111,30 @@ def test_latent_space_for_gqa():
     assert all(sum(a.nbytes for a in c.installed_arrays()) == 2 * (32 * 32 + 32) * 4
                for c in lat)
     assert all(not c.installed_arrays() for c in full)  # views of the model's weights
+
+
+def test_two_settings_on_one_model_each_attend_their_own_form():
+    # Caches built later with another setting re-hook the model (latents against the full
+    # X); the earlier caches keep reading their own stored form, step by step in turn.
+    model = tiny_model("llama", num_key_value_heads=1)
+    tokens = mx.random.randint(0, 128, (1, 20), key=mx.random.key(14))
+    configs = [KVCacheConfig(method="xquant", bits=8, group_size=32),
+               KVCacheConfig(method="xquant_cl", group_size=32)]
+    alone = []
+    for config in configs:
+        alone.append(prefill_then_decode(model, KVCacheBuilder.for_model(model, config),
+                                         tokens, 8))
+        uninstall_x_hook(model)
+    both = [KVCacheBuilder.for_model(model, config) for config in configs]
+    assert both[0][0].widths == (32, 32) and both[1][0].widths == (128,)
+    outs = [[prefill(model, c, tokens[:, :8], 8, last_alone=False, all_logits=True)]
+            for c in both]
+    for t in range(8, tokens.shape[1]):
+        for out, caches in zip(outs, both):
+            out.append(model(tokens[:, t:t + 1], cache=caches))
+    uninstall_x_hook(model)
+    for out, ref in zip(outs, alone):
+        assert _rel_err(mx.concatenate(out, axis=1), ref) < 1e-5
 
 
 def test_hook_is_reversible_and_falls_through(llama):

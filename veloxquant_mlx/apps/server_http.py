@@ -37,6 +37,10 @@ _handler = threading.local()
 _NOTHING = object()
 
 
+# Seconds of batch steps between two looks at the request queue (mlx_lm's own: 0.5).
+INTAKE_BUDGET_S = 0.02
+
+
 def peer_closed(sock: socket.socket) -> bool:
     """Whether the client closed its end (readable with nothing to read)."""
     try:
@@ -66,6 +70,10 @@ class LimitedResponseGenerator(mlx_server.ResponseGenerator):
             return
         finally:
             self.limits.ready.set()
+        if hasattr(mlx_server, "TimeBudget"):
+            # mlx_lm steps its batch for half a second before it takes new requests: a
+            # short request would wait out a long prompt's prefill that fits in it.
+            self._time_budget = mlx_server.TimeBudget(budget=INTAKE_BUDGET_S)
         previous = mlx_server.BatchGenerator
         mlx_server.BatchGenerator = bind_batch_generator(self.limits, self.prefill_share)
         try:

@@ -65,6 +65,8 @@ BENCH_COLUMNS = [
     ("steady of limit", "steady_of_limit", lambda v: _fmt(v, 2)),
     ("serial limit", "serial_limit", lambda v: _fmt(v, 2)),
     ("of serial", "of_serial", lambda v: _fmt(v, 2)),
+    ("bound ms/step", "bound_step_s", lambda v: _fmt(v * 1e3, 1)),
+    ("of bound", "of_bound", lambda v: _fmt(v, 2)),
     ("MLX peak MiB", "peak_mem_bytes", _mib),
     ("peak over base MiB", "peak_over_base_bytes", _mib),
     ("RSS MiB", "rss_bytes", _mib),
@@ -220,7 +222,9 @@ def sweep_markdown(record: dict[str, Any], png_name: str | None = "bench.png") -
         "this machine's measured read and matmul rates, would reach; of limit = "
         "decode/dense over it; serial limit = the same with the weights' matmuls and the "
         "attention each bound on its own and added (a CPU runs one op after the other), "
-        "of serial = decode/dense over it (docs/cpu-performance.md).",
+        "of serial = decode/dense over it; bound ms/step = that serial bound in "
+        "milliseconds, of bound = it over the measured mean step, against the machine "
+        "rather than dense (docs/cpu-performance.md).",
         "", markdown_table(record["speed"], BENCH_COLUMNS), ""]
     if png_name:
         out += [f"![real memory vs quality]({png_name})", ""]
