@@ -287,13 +287,16 @@ def _is_view(linear: nn.Module) -> bool:
     return not isinstance(linear, nn.QuantizedLinear) and linear.weight.dtype == mx.float32
 
 
+def _projection(attn: nn.Module, cache: Any) -> XProjection:
+    """The cache's own projection, not the one installed last: caches of another XQuant
+    setting built later on the same model (``latent`` or not) change the hook's."""
+    return getattr(cache, "proj", None) or attn._xquant
+
+
 def _x_attention(attn: nn.Module, x: mx.array, residual: mx.array | None, cache: Any,
                  mask: Any) -> mx.array:
-    """One sequence batch through an X-cache: ``[B, L, n_heads * v_head_dim]``.
-
-    The cache's own projection, not the one installed last: caches of another XQuant
-    setting built later on the same model (``latent`` or not) change the hook's."""
-    proj: XProjection = getattr(cache, "proj", None) or attn._xquant
+    """One sequence batch through an X-cache: ``[B, L, n_heads * v_head_dim]``."""
+    proj = _projection(attn, cache)
     B, L, _ = x.shape
     queries = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
     start = cache.offset
@@ -320,7 +323,7 @@ def _x_attention_batched(attn: nn.Module, x: mx.array, residual: mx.array | None
             res = None if residual is None else residual[i:i + 1, :r]
             out = _x_attention(attn, x[i:i + 1, :r], res, c, "causal" if r > 1 else None)
         if r < L:
-            width = attn.n_heads * (getattr(c, "proj", None) or attn._xquant).v_dim
+            width = attn.n_heads * _projection(attn, c).v_dim
             pad = mx.zeros((1, L - r, width), x.dtype)
             out = pad if out is None else mx.concatenate([out.astype(x.dtype), pad], axis=1)
         outs.append(out)

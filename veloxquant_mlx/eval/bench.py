@@ -207,12 +207,13 @@ def _roofline(r: dict[str, Any], dense: dict[str, Any], weights: int, flops: int
     r["of_limit"] = r["decode_ratio"] / r["roofline_limit"]
     r["steady_of_limit"] = r["steady_ratio"] / r["roofline_limit"]
     weights_t = step_bound(weights, flops, rates)
+    # The serial bound in seconds; against the measured step it says how close the row
+    # came to the machine's own limit, not to dense's.
+    r["bound_step_s"] = weights_t + step_bound(r["accounted_bytes"], r["decode_flops"], rates)
     r["serial_limit"] = (
         (weights_t + step_bound(dense["accounted_bytes"], dense["decode_flops"], rates))
-        / (weights_t + step_bound(r["accounted_bytes"], r["decode_flops"], rates)))
+        / r["bound_step_s"])
     r["of_serial"] = r["decode_ratio"] / r["serial_limit"]
-    # Absolute, not against dense: the serial bound of the step over its measured time.
-    r["bound_step_s"] = weights_t + step_bound(r["accounted_bytes"], r["decode_flops"], rates)
     r["of_bound"] = r["bound_step_s"] * r.get("decode_tok_s", float("nan"))
 
 
