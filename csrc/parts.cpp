@@ -50,6 +50,7 @@
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -1124,6 +1125,134 @@ void run(const Plan& pl, float* out, int threads) {
   });
 }
 
+// ---- what the ops take: every argument is checked once per call, on shapes, dtypes and
+// ints when the op is built and on strides when it runs (before any task is dispatched),
+// so that no call from Python makes a kernel read or write out of bounds. Refusals are
+// std::invalid_argument (ValueError in Python) naming the argument and what was expected.
+
+constexpr const char* kRefusal = "veloxquant native: ";
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument(kRefusal + what);
+}
+
+// A refusal whose message is built only when it is refused (a call's checks pass with no
+// string made).
+template <class F, class = decltype(std::declval<F>()())>
+void check(bool ok, F&& what) {
+  if (!ok) throw std::invalid_argument(kRefusal + std::string(what()));
+}
+
+// The same refusal placed: "where: what".
+[[noreturn]] void refuse_in(const std::string& where, const std::invalid_argument& e) {
+  std::string what = e.what();
+  if (what.rfind(kRefusal, 0) == 0) what = what.substr(std::strlen(kRefusal));
+  throw std::invalid_argument(kRefusal + where + ": " + what);
+}
+
+std::string shape_of(const mx::array& a) {
+  std::ostringstream s;
+  s << "[";
+  for (int i = 0; i < a.ndim(); ++i) s << (i ? ", " : "") << a.shape(i);
+  s << "] " << a.dtype();
+  return s.str();
+}
+
+// arrays[i - 1]: inputs[0] is the queries.
+std::string arg(size_t i) { return "arrays[" + std::to_string(i - 1) + "]"; }
+
+bool is_float(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
+
+// Threads a call may start (a large count would exhaust the process, not speed it up).
+// Read once: hardware_concurrency() reads the system's CPU list, tens of microseconds.
+int max_threads() {
+  static const int most = static_cast<int>(std::max(64u, std::thread::hardware_concurrency()));
+  return most;
+}
+
+void check_threads(int threads) {
+  check(threads >= 1 && threads <= max_threads(), [&] {
+    return std::string("threads must be 1 to " + std::to_string(max_threads()) + ", got " +
+                       std::to_string(threads));
+  });
+}
+
+// The op's buffers and outputs, in floats: broadcast views make large shapes of little memory,
+// and a failed allocation inside a task would end the process.
+constexpr int64_t kMaxFloats = int64_t{1} << 30;
+// Query and output offsets (a head's dims).
+constexpr int kMaxOffset = 1 << 16;
+
+void check_floats(__int128 count, const char* what) {
+  check(count <= kMaxFloats, [&] {
+    return std::string(what) + " must be at most 2^30 floats, got " +
+           std::to_string(static_cast<long double>(count));
+  });
+}
+
+// Every element of a's view inside its buffer (the extent of its strides from its first
+// element, either way): a view made with as_strided can point anywhere.
+template <class N>
+void check_extent(const mx::array& a, N&& name) {
+  if (a.size() == 0) return;
+  int64_t lo = 0, hi = 0, span = 0;
+  bool ok = true;
+  for (int i = 0; i < a.ndim(); ++i) {
+    ok &= !__builtin_mul_overflow(int64_t{a.shape(i) - 1}, a.strides()[i], &span);
+    ok &= !__builtin_add_overflow(span < 0 ? lo : hi, span, span < 0 ? &lo : &hi);
+  }
+  const auto item = static_cast<int64_t>(a.itemsize());
+  const auto first = a.data<uint8_t>() - static_cast<const uint8_t*>(a.buffer().raw_ptr());
+  const auto size = static_cast<int64_t>(a.buffer_size());
+  ok = ok && !__builtin_mul_overflow(lo, item, &lo) && !__builtin_mul_overflow(hi + 1, item, &hi);
+  check(ok && first + lo >= 0 && first + hi <= size, [&] {
+    return std::string(name() + " " + shape_of(a) +
+                       " is a view whose strides run past its buffer of " + std::to_string(size) +
+                       " bytes");
+  });
+}
+
+// Rows of an input contiguous along their last axis (the kernels read whole rows).
+template <class N>
+void check_last_axis(const mx::array& a, N&& name) {
+  check(a.ndim() == 0 || a.shape(a.ndim() - 1) <= 1 || a.strides().back() == 1, [&] {
+    return std::string(name() + " " + shape_of(a) +
+                       " must be contiguous along its last axis (stride 1), got " +
+                       std::to_string(a.ndim() ? a.strides().back() : 0));
+  });
+}
+
+// What the decode op checks as it runs: every input inside its buffer; codes contiguous
+// along their rows; a table and RoPE's inverse frequencies contiguous.
+void check_at_run(const std::vector<mx::array>& in, const std::vector<int>& spec,
+                  const std::vector<int>& counts) {
+  for (size_t i = 0; i < in.size(); ++i)
+    check_extent(in[i], [&] { return i == 0 ? std::string("q") : arg(i); });
+  size_t next = 1;
+  const auto stored = [&](const int* sp) {
+    if (sp[0] != kDense) check_last_axis(in[next], [&] { return arg(next) + " (codes)"; });
+    next += sp[0] == kDense ? 1 : 2 + sp[3];
+    if (sp[0] != kDense && sp[4]) {
+      check(in[next].flags().row_contiguous,
+            [&] { return std::string(arg(next) + " (a table) must be contiguous"); });
+      ++next;
+    }
+  };
+  const int parts = std::accumulate(counts.begin(), counts.end(), 0);
+  for (int i = 0; i < parts; ++i) {
+    const int* sp = spec.data() + kSpecInts * i;
+    stored(sp);
+    next += (sp[7] & kShift) ? 1 : 0;
+    if (sp[7] & kRotate) {
+      check(in[next].flags().row_contiguous, [&] {
+        return std::string(arg(next) + " (a rotation's inverse frequencies) must be contiguous");
+      });
+      next += 2;
+    }
+    if (sp[7] & kProject) stored(sp + kProjSpec), ++next;
+  }
+}
+
 // A stored form's views and sizes from inputs[next] on (sp: kind, bits, group, has biases,
 // has a table).
 Part bind_stored(const int* sp, const std::vector<mx::array>& in, size_t& next) {
@@ -1143,8 +1272,6 @@ Part bind_stored(const int* sp, const std::vector<mx::array>& in, size_t& next) 
   const int64_t width = a.shape(3) * static_cast<int64_t>(mx::size_of(a.dtype())) * 8 / pt.bits;
   pt.n = pt.kind == kToken ? a.shape(2) : width;
   pt.D = pt.kind == kToken ? width : a.shape(2);
-  if (a.strides()[3] != 1)
-    throw std::invalid_argument("veloxquant native: codes must be contiguous along their last axis");
   return pt;
 }
 
@@ -1200,8 +1327,8 @@ class DecodeAttention : public CpuOp {
         causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    check_at_run(in, spec_, counts_);  // the strides, known now, before any task
     auto& out = outs[0];
-    auto& enc = encoder(in, out);
     Plan pl;
     size_t next = 1, first = 0;
     for (size_t i = 0; i < counts_.size(); i += 2) {
@@ -1217,6 +1344,7 @@ class DecodeAttention : public CpuOp {
     pl.B = q.shape(0), pl.H = q.shape(1), pl.R = q.shape(2), pl.D = q.shape(3);
     pl.Dv = out.shape(3);
     pl.causal = causal_;
+    auto& enc = encoder(in, out);
     // Raw views only, as MLX's own CPU ops (weak copies): MLX keeps the inputs alive until
     // the task has run.
     enc.dispatch([pl = std::move(pl), out_ptr = out.data<float>(), threads = threads_]() {
@@ -1237,63 +1365,100 @@ class DecodeAttention : public CpuOp {
   int threads_, causal_;
 };
 
-void check(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("veloxquant native: " + what);
-}
-
-bool is_float(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
-
 // Checks one part's stored arrays (from inputs[next]); returns its token count and head dim.
 std::pair<int64_t, int64_t> check_stored(const int* sp, const std::vector<mx::array>& in,
-                                       size_t& next, int64_t B, int64_t H) {
+                                         size_t& next, int64_t B, int64_t H) {
   const int kind = sp[0], bits = sp[1], group = sp[2];
-  check(kind >= kDense && kind <= kChannel, "kind must be 0 (dense), 1 (token) or 2 (channel)");
+  check(kind >= kDense && kind <= kChannel, [&] {
+    return std::string("kind must be 0 (dense), 1 (token) or 2 (channel), got " +
+                       std::to_string(kind));
+  });
+  check((sp[3] == 0 || sp[3] == 1) && (sp[4] == 0 || sp[4] == 1),
+        "the biases and table ints must be 0 or 1");
   check(next < in.size(), "fewer arrays than the parts need");
-  const auto& a = in[next++];
-  check(a.ndim() == 4 && a.shape(0) == B && a.shape(1) == H,
-        "every part must be 4-D with the queries' batch and KV heads");
+  const size_t ia = next++;
+  const auto& a = in[ia];
+  const auto heads = [&] { return "[" + std::to_string(B) + ", " + std::to_string(H) + ", ...]"; };
+  check(a.ndim() == 4 && a.shape(0) == B && a.shape(1) == H, [&] {
+    return std::string(arg(ia) + ": every part must be 4-D with the queries' batch and KV heads " +
+                       heads() + ", got " + shape_of(a));
+  });
   if (kind == kDense) {
-    check(is_float(a.dtype()), "dense parts must be float32, float16 or bfloat16");
+    check(bits == 0 && group == 0 && !sp[3] && !sp[4],
+          "a dense part's bits, group, biases and table ints must be 0");
+    check(is_float(a.dtype()), [&] {
+      return std::string(arg(ia) + ": dense parts must be float32, float16 or bfloat16");
+    });
     return {a.shape(2), a.shape(3)};
   }
-  check(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8");
-  check(!mx::issubdtype(a.dtype(), mx::floating), "codes must be unsigned integers");
-  const int64_t width = a.shape(3) * static_cast<int64_t>(mx::size_of(a.dtype())) * 8 / bits;
-  check(a.shape(3) * static_cast<int64_t>(mx::size_of(a.dtype())) % 4 == 0,
-        "a code row must be whole 32-bit words");
+  check(bits == 1 || bits == 2 || bits == 4 || bits == 8,
+        [&] { return std::string("bits must be 1, 2, 4 or 8, got " + std::to_string(bits)); });
+  check(mx::issubdtype(a.dtype(), mx::unsignedinteger), [&] {
+    return std::string(arg(ia) + ": codes must be unsigned integers, got " + shape_of(a));
+  });
+  const int64_t bytes = a.shape(3) * static_cast<int64_t>(mx::size_of(a.dtype()));
+  const int64_t width = bytes * 8 / bits;
+  check(bytes % 4 == 0,
+        [&] { return std::string(arg(ia) + ": a code row must be whole 32-bit words"); });
   check(next < in.size(), "fewer arrays than the parts need");
-  const auto& s = in[next++];
-  check(is_float(s.dtype()) && s.ndim() == 4, "scales must be 4-D floats");
-  if (sp[3]) check(next < in.size() && in[next++].shape() == s.shape(), "biases must have the scales' shape");
+  const size_t is = next++;
+  const auto& s = in[is];
+  check(is_float(s.dtype()) && s.ndim() == 4 && s.shape(0) == B && s.shape(1) == H, [&] {
+    return std::string(arg(is) + ": scales must be 4-D floats with the codes' batch and KV heads " +
+                       heads() + ", got " + shape_of(s));
+  });
+  if (sp[3]) {
+    check(next < in.size(), "fewer arrays than the parts need");
+    const auto& z = in[next++];
+    check(z.shape() == s.shape() && is_float(z.dtype()), [&] {
+      return std::string(arg(next - 1) + ": biases must be floats of the scales' shape " +
+                         shape_of(s) + ", got " + shape_of(z));
+    });
+  }
   if (sp[4]) {
     check(next < in.size(), "fewer arrays than the parts need");
     const auto& t = in[next++];
-    check(t.dtype() == mx::float32 && t.size() == (size_t{1} << bits) && bits <= 4,
-          "a table must be 2^bits float32 levels, bits at most 4");
+    check(t.dtype() == mx::float32 && t.size() == (size_t{1} << bits) && bits <= 4, [&] {
+      return std::string(arg(next - 1) + ": a table must be 2^bits float32 levels, bits at most 4");
+    });
   }
+  const auto form = [&] {
+    return " (" + std::to_string(bits) + "-bit codes " + shape_of(a) + ", group " +
+           std::to_string(group) + "), got " + shape_of(s);
+  };
   if (kind == kToken) {
-    check(group > 0 && width % group == 0 && s.shape(2) == a.shape(2) &&
-              s.shape(3) == width / group,
-          "token scales must be [B, H, n, D / group]");
+    check(
+        group > 0 && width % group == 0 && s.shape(2) == a.shape(2) && s.shape(3) == width / group,
+        [&] {
+          return std::string(arg(is) + ": token scales must be [B, H, n, D / group]" + form());
+        });
     check(group % (32 / bits) == 0, "a token group must hold whole 32-bit words of codes");
     return {a.shape(2), width};
   }
   check(sp[3] && !sp[4], "channel parts have biases and no table");
-  check(s.shape(2) == a.shape(2) && s.shape(3) * group == width && group % (32 / bits) == 0,
-        "channel scales must be [B, H, D, n / group], groups of whole words");
+  check(group > 0 && s.shape(2) == a.shape(2) && s.shape(3) * int64_t{group} == width &&
+            group % (32 / bits) == 0,
+        [&] {
+          return std::string(
+              arg(is) + ": channel scales must be [B, H, D, n / group], groups of whole words" +
+              form());
+        });
   return {width, a.shape(2)};
 }
 
 // Checks a projected part's factor [B, H, r, Dp] (r: the part's width) and mean
 // [B, H, 1, Dp]; returns Dp, the query dims it reads or the output dims it writes.
-int64_t check_projection(const int* sp, int64_t r, const std::vector<mx::array>& in,
-                         size_t& next, int64_t B, int64_t H) {
+int64_t check_projection(const int* sp, int64_t r, const std::vector<mx::array>& in, size_t& next,
+                         int64_t B, int64_t H) {
   const int* pp = sp + kProjSpec;
   check(!(sp[7] & (kShift | kMass)) && sp[0] != kChannel,
         "a projected part is dense or token rows, with no shift or mass of its own");
   check(pp[0] != kChannel && !pp[4], "a projection is dense or token rows, without a table");
   const auto [rows, Dp] = check_stored(pp, in, next, B, H);
-  check(rows == r, "a projection needs one row per dim of its part");
+  check(rows == r, [&] {
+    return std::string("a projection needs one row per dim of its part (" + std::to_string(r) +
+                       "), got " + std::to_string(rows));
+  });
   if (sp[7] & kRotate)  // rebuilt a row at a time: whole vectors of whole groups, or floats
     for (const int* form : {sp, pp})
       check(form[0] == kDense || (!form[4] && form[2] % L == 0),
@@ -1303,21 +1468,26 @@ int64_t check_projection(const int* sp, int64_t r, const std::vector<mx::array>&
   const auto& m = in[next++];
   check(is_float(m.dtype()) && m.ndim() == 4 && m.shape(0) == B && m.shape(1) == H &&
             m.shape(2) == 1 && m.shape(3) == Dp,
-        "a projection's mean must be floats [B, H, 1, Dp]");
+        [&] {
+          return std::string(arg(next - 1) +
+                             ": a projection's mean must be floats [B, H, 1, Dp] with Dp " +
+                             std::to_string(Dp) + ", got " + shape_of(m));
+        });
   return Dp;
 }
 
-// Checks one part (its stored arrays, then its shift) and its placement; returns its token
-// count and head dim.
-std::pair<int64_t, int64_t> check_part(const int* sp, bool is_key, const std::vector<mx::array>& in,
-                                       size_t& next, int64_t B, int64_t H, int64_t R) {
-  const auto got = check_stored(sp, in, next, B, H);
+// A part's placement ints and its shift.
+void check_placement(const int* sp, bool is_key, const std::vector<mx::array>& in, size_t& next,
+                     int64_t B, int64_t H, int64_t R) {
   const int qoff = sp[5], ooff = sp[6], extras = sp[7];
-  check(qoff >= 0 && ooff >= 0 && extras >= 0 &&
+  check(qoff >= 0 && ooff >= 0 && qoff <= kMaxOffset && ooff <= kMaxOffset && extras >= 0 &&
             extras <= (kShift | kMass | kRotate | kProject | kPairs) &&
             ((extras & kRotate) || !(extras & kPairs)),
-        "offsets must be >= 0 and extras 0-31 (1: score shift, 2: probability mass, 4: RoPE, "
-        "8: projection, 16: RoPE pairs neighbouring dims)");
+        "offsets must be 0 to 65536 and extras 0-31 (1: score shift, 2: probability mass, "
+        "4: RoPE, 8: projection, 16: RoPE pairs neighbouring dims)");
+  check((extras & kProject) ||
+            std::all_of(sp + kProjSpec, sp + kSpecInts, [](int x) { return x == 0; }),
+        "a part without a projection has zeros in its projection's five ints");
   check(is_key || (qoff == 0 && !(extras & kShift)), "a value part has no query offset or shift");
   check(!is_key || (ooff == 0 && !(extras & kMass)), "a key part has no output offset or mass");
   if (extras & kShift) {
@@ -1325,8 +1495,21 @@ std::pair<int64_t, int64_t> check_part(const int* sp, bool is_key, const std::ve
     const auto& s = in[next++];
     check(s.dtype() == mx::float32 && s.ndim() == 4 && s.shape(0) == B && s.shape(1) == H &&
               s.shape(2) == R && s.shape(3) == 1,
-          "a score shift must be float32 [B, H, rows, 1]");
+          [&] {
+            return std::string(arg(next - 1) +
+                               ": a score shift must be float32 [B, H, rows, 1], got " +
+                               shape_of(s));
+          });
   }
+}
+
+// Checks one part (its stored arrays, shift, rotation, projection) and its placement;
+// returns its token count and head dim.
+std::pair<int64_t, int64_t> check_part(const int* sp, bool is_key, const std::vector<mx::array>& in,
+                                       size_t& next, int64_t B, int64_t H, int64_t R) {
+  const auto got = check_stored(sp, in, next, B, H);
+  const int extras = sp[7];
+  check_placement(sp, is_key, in, next, B, H, R);
   int64_t half = 0;  // of the dims a rotation turns
   if (extras & kRotate) {
     check(is_key && (sp[0] == kDense || (extras & kProject)),
@@ -1335,50 +1518,87 @@ std::pair<int64_t, int64_t> check_part(const int* sp, bool is_key, const std::ve
     const auto &inv = in[next++], &start = in[next++];
     check(inv.dtype() == mx::float32 && inv.ndim() == 4 && inv.size() == inv.shape(3) &&
               inv.size() > 0 && inv.flags().row_contiguous,
-          "a rotation's inverse frequencies must be contiguous float32 [1, 1, 1, dims / 2]");
-    check(start.dtype() == mx::int32 && start.ndim() == 4 && start.size() == 1,
-          "a rotation's first position must be int32 [1, 1, 1, 1]");
+          [&] {
+            return std::string(arg(next - 2) +
+                               ": a rotation's inverse frequencies must be contiguous float32 "
+                               "[1, 1, 1, dims / 2], got " +
+                               shape_of(inv));
+          });
+    check(start.dtype() == mx::int32 && start.ndim() == 4 && start.size() == 1, [&] {
+      return std::string(arg(next - 1) +
+                         ": a rotation's first position must be int32 [1, 1, 1, 1], got " +
+                         shape_of(start));
+    });
     half = inv.shape(3);
   }
   const int64_t width =
       (extras & kProject) ? check_projection(sp, got.second, in, next, B, H) : got.second;
-  check(2 * half <= width, "a rotation turns at most the part's dims");
+  check(2 * half <= width, [&] {
+    return std::string("a rotation turns at most the part's dims (" + std::to_string(width) +
+                       "), got " + std::to_string(2 * half));
+  });
   return {got.first, width};
+}
+
+// Token count and output width of one sequence's parts, summed as they are checked.
+struct Extent {
+  int64_t S_keys = 0, S_values = 0, Dk = -1, Dv = -1, Dout = 0;
+  bool placed = false;
+};
+
+void add_part(Extent& e, const int* sp, bool is_key, int64_t n, int64_t d, int64_t D) {
+  if (is_key) {
+    check(sp[5] + d <= D, [&] {
+      return std::string("key parts must fit in the query rows at their offset (" +
+                         std::to_string(sp[5]) + " + " + std::to_string(d) + " dims, rows of " +
+                         std::to_string(D) + ")");
+    });
+    check(sp[5] > 0 || e.Dk < 0 || e.Dk == d, "key parts at offset 0 must share one head dim");
+    if (sp[5] == 0) e.Dk = d;
+    e.placed |= sp[5] > 0, e.S_keys += n;
+    return;
+  }
+  check(sp[0] != kChannel, "channel parts hold keys only");
+  if (sp[6] == 0 && !(sp[7] & kMass)) {
+    check(e.Dv < 0 || e.Dv == d, "value parts must share one head dim");
+    e.Dv = d;
+  }
+  e.Dout = std::max<int64_t>(e.Dout, sp[6] + d + ((sp[7] & kMass) ? 1 : 0));
+  e.S_values += n;
 }
 
 // One sequence's parts from inputs[next] on: checks them, returns their output width and
 // token count. Value parts at output offset 0 without a mass share one head dim; others
 // extend the output past it.
-std::pair<int64_t, int64_t> check_parts(const std::vector<int>& spec, int first, int n_keys, int n_values,
-                    const std::vector<mx::array>& in, size_t& next, int64_t B, int64_t H,
-                    int64_t D, int64_t R) {
-  check(n_keys >= 1 && n_values >= 1, "need at least one key part and one value part");
-  check(static_cast<size_t>(first + n_keys + n_values) * kSpecInts <= spec.size(),
+std::pair<int64_t, int64_t> check_parts(const std::vector<int>& spec, int64_t first, int64_t n_keys,
+                                        int64_t n_values, const std::vector<mx::array>& in,
+                                        size_t& next, int64_t B, int64_t H, int64_t D, int64_t R) {
+  check(n_keys >= 1 && n_values >= 1, [&] {
+    return std::string("need at least one key part and one value part, got " +
+                       std::to_string(n_keys) + " and " + std::to_string(n_values));
+  });
+  check((first + n_keys + n_values) * kSpecInts <= static_cast<int64_t>(spec.size()),
         "spec must describe the counted parts");
-  int64_t S_keys = 0, S_values = 0, Dk = -1, Dv = -1, Dout = 0;
-  bool placed = false;
-  for (int i = first; i < first + n_keys + n_values; ++i) {
+  Extent e;
+  for (int64_t i = first; i < first + n_keys + n_values; ++i) {
     const int* sp = spec.data() + kSpecInts * i;
     const bool is_key = i < first + n_keys;
-    auto [n, d] = check_part(sp, is_key, in, next, B, H, R);
-    if (is_key) {
-      check(sp[5] + d <= D, "key parts must fit in the query rows at their offset");
-      check(sp[5] > 0 || Dk < 0 || Dk == d, "key parts at offset 0 must share one head dim");
-      if (sp[5] == 0) Dk = d;
-      placed |= sp[5] > 0, S_keys += n;
-      continue;
+    try {
+      const auto [n, d] = check_part(sp, is_key, in, next, B, H, R);
+      add_part(e, sp, is_key, n, d, D);
+    } catch (const std::invalid_argument& err) {
+      refuse_in("part " + std::to_string(i) + " (spec[" + std::to_string(kSpecInts * i) + ":" +
+                    std::to_string(kSpecInts * (i + 1)) + "], " + (is_key ? "key" : "value") +
+                    " part " + std::to_string(is_key ? i - first : i - first - n_keys) + ")",
+                err);
     }
-    check(sp[0] != kChannel, "channel parts hold keys only");
-    if (sp[6] == 0 && !(sp[7] & kMass)) {
-      check(Dv < 0 || Dv == d, "value parts must share one head dim");
-      Dv = d;
-    }
-    Dout = std::max<int64_t>(Dout, sp[6] + d + ((sp[7] & kMass) ? 1 : 0));
-    S_values += n;
   }
-  check(placed || Dk == D, "key parts must have the queries' head dim");
-  check(S_keys == S_values && S_keys > 0, "key and value parts must cover the same tokens");
-  return {Dout, S_keys};
+  check(e.placed || e.Dk == D, "key parts must have the queries' head dim");
+  check(e.S_keys == e.S_values && e.S_keys > 0, [&] {
+    return std::string("key and value parts must cover the same tokens, got " +
+                       std::to_string(e.S_keys) + " and " + std::to_string(e.S_values));
+  });
+  return {e.Dout, e.S_keys};
 }
 
 // counts: (key parts, value parts) of one set shared by the batch, or of each batch row's
@@ -1386,28 +1606,39 @@ std::pair<int64_t, int64_t> check_parts(const std::vector<int>& spec, int first,
 mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& arrays,
                            const std::vector<int>& spec, const std::vector<int>& counts,
                            int threads, int causal) {
-  check(q.ndim() == 4 && q.dtype() == mx::float32, "queries must be [B, H, rows, D] float32");
-  check(spec.size() % kSpecInts == 0, "spec must hold 13 ints per part");
-  const int64_t B = q.shape(0), H = q.shape(1), plans = counts.size() / 2;
-  check(counts.size() % 2 == 0 && (plans == 1 || plans == B),
+  check(q.ndim() == 4 && q.dtype() == mx::float32,
+        [&] { return std::string("q must be [B, H, rows, D] float32, got " + shape_of(q)); });
+  check(spec.size() % kSpecInts == 0, [&] {
+    return std::string("spec must hold 13 ints per part, got " + std::to_string(spec.size()) +
+                       " ints");
+  });
+  const int64_t B = q.shape(0), H = q.shape(1), R = q.shape(2), plans = counts.size() / 2;
+  check(counts.size() % 2 == 0 && plans >= 1 && (plans == 1 || plans == B),
         "counts must be (key parts, value parts) once, or once per batch row");
-  check(threads >= 1, "threads must be at least 1");
-  check(causal >= 0 && (causal == 0 || q.shape(2) % causal == 0),
+  check_threads(threads);
+  check(causal >= 0 && (causal == 0 || R % causal == 0),
         "causal must be 0 (no mask) or the chunk's token count, dividing the query rows");
   std::vector<mx::array> inputs = {q};
   inputs.insert(inputs.end(), arrays.begin(), arrays.end());
   size_t next = 1;
-  int first = 0;
-  int64_t Dv = -1;
+  int64_t first = 0, Dv = -1;
+  __int128 scores = 0;
   for (int64_t i = 0; i < plans; ++i) {
     const auto [d, S] = check_parts(spec, first, counts[2 * i], counts[2 * i + 1], inputs, next,
-                                    plans == 1 ? B : 1, H, q.shape(3), q.shape(2));
+                                    plans == 1 ? B : 1, H, q.shape(3), R);
     check(Dv < 0 || Dv == d, "every row's value parts must give one output width");
     check(causal <= S, "a causal chunk cannot hold more tokens than the keys");
     Dv = d, first += counts[2 * i] + counts[2 * i + 1];
+    scores += static_cast<__int128>(plans == 1 ? B : 1) * H * R * S;
   }
-  check(first * kSpecInts == static_cast<int>(spec.size()), "spec must describe the counted parts");
-  check(next == inputs.size(), "more arrays than the parts take");
+  check(first * kSpecInts == static_cast<int64_t>(spec.size()),
+        "spec must describe the counted parts");
+  check(next == inputs.size(), [&] {
+    return std::string("more arrays than the parts take (" + std::to_string(next - 1) + "), got " +
+                       std::to_string(arrays.size()));
+  });
+  check_floats(scores, "the scores (batch x heads x rows x keys)");
+  check_floats(static_cast<__int128>(B) * H * R * Dv, "the output (batch x heads x rows x width)");
   return mx::array({static_cast<int>(B), static_cast<int>(H), q.shape(2), static_cast<int>(Dv)},
                    mx::float32,
                    std::make_shared<DecodeAttention>(mx::to_stream(mx::Device::cpu), spec, counts,
@@ -1455,12 +1686,14 @@ Rows rows_of(const mx::array& a) {
   return r;
 }
 
-std::vector<Rows> rows_of(const std::vector<mx::array>& in) {
+// The inputs' rows, checked as the op runs (strides are known then): inside their buffers,
+// contiguous along their last axis.
+std::vector<Rows> rows_of(const std::vector<mx::array>& in, const std::vector<const char*>& names) {
   std::vector<Rows> out;
-  for (const auto& a : in) {
-    if (a.strides().back() != 1)
-      throw std::invalid_argument("veloxquant native: rows must be contiguous along their last axis");
-    out.push_back(rows_of(a));
+  for (size_t i = 0; i < in.size(); ++i) {
+    check_extent(in[i], [&] { return std::string(names[i]); });
+    check_last_axis(in[i], [&] { return std::string(names[i]); });
+    out.push_back(rows_of(in[i]));
   }
   return out;
 }
@@ -1471,9 +1704,10 @@ class DecodeRows : public CpuOp {
       : CpuOp(st), bits_(bits), group_(group), threads_(threads) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto rows = rows_of(in, {"codes", "scales", "biases", "plus"});
     auto& out = outs[0];
     auto& enc = encoder(in, out);
-    enc.dispatch([in = rows_of(in), out_ptr = out.data<float>(), D = out.shape().back(),
+    enc.dispatch([in = std::move(rows), out_ptr = out.data<float>(), D = out.shape().back(),
                   bits = bits_, gs = group_, threads = threads_]() {
       run_rows(in, out_ptr, D, bits, gs, threads);
     });
@@ -1515,30 +1749,46 @@ class DecodeRows : public CpuOp {
 
 mx::array floats_of(const mx::array& codes, const mx::array& scales, const mx::array& biases,
                     int bits, int group, int threads, std::optional<mx::array> plus) {
-  check(bits == 1 || bits == 2 || bits == 4 || bits == 8, "bits must be 1, 2, 4 or 8");
-  check(codes.ndim() >= 1 && !mx::issubdtype(codes.dtype(), mx::floating),
-        "codes must be unsigned integers");
+  check(bits == 1 || bits == 2 || bits == 4 || bits == 8,
+        [&] { return std::string("bits must be 1, 2, 4 or 8, got " + std::to_string(bits)); });
+  check(codes.ndim() >= 1 && mx::issubdtype(codes.dtype(), mx::unsignedinteger), [&] {
+    return std::string("codes must be unsigned integers of at least one axis, got " +
+                       shape_of(codes));
+  });
   check(is_float(scales.dtype()) && scales.shape() == biases.shape() &&
             biases.dtype() == scales.dtype(),
-        "scales and biases must be floats of one shape");
+        [&] {
+          return std::string("scales and biases must be floats of one shape, got " +
+                             shape_of(scales) + " and " + shape_of(biases));
+        });
   const int64_t D = static_cast<int64_t>(codes.shape().back()) * codes.itemsize() * 8 / bits;
-  check(group > 0 && group % L == 0 && D % group == 0, "group must divide the row, in blocks of 16");
+  check_floats(D, "a decoded row");
+  check(group > 0 && group % L == 0 && D % group == 0, [&] {
+    return std::string("group must divide the row (" + std::to_string(D) +
+                       " values), in blocks of 16, got " + std::to_string(group));
+  });
   auto shape = codes.shape();
   auto want = shape;
   want.back() = static_cast<int>(D / group);
-  check(scales.shape() == want, "scales must be [..., D / group]");
+  check(scales.shape() == want, [&] {
+    return std::string("scales must be [..., D / group] with D / group " +
+                       std::to_string(D / group) + ", got " + shape_of(scales));
+  });
   shape.back() = static_cast<int>(D);
-  check(threads >= 1, "threads must be at least 1");
+  check_threads(threads);
+  __int128 rows = 1;
+  for (int i = 0; i + 1 < codes.ndim(); ++i) rows *= codes.shape(i);
+  check_floats(rows * D, "the decoded rows");
   std::vector<mx::array> inputs = {codes, scales, biases};
   if (plus) {  // added as it is decoded (a sum of decoded rows takes no pass of its own)
-    check(plus->dtype() == mx::float32 && plus->shape() == shape,
-          "plus must be float32 of the decoded rows' shape");
+    check(plus->dtype() == mx::float32 && plus->shape() == shape, [&] {
+      return std::string("plus must be float32 of the decoded rows' shape, got " + shape_of(*plus));
+    });
     inputs.push_back(*plus);
   }
-  return mx::array(shape, mx::float32,
-                   std::make_shared<DecodeRows>(mx::to_stream(mx::Device::cpu), bits, group,
-                                                threads),
-                   inputs);
+  return mx::array(
+      shape, mx::float32,
+      std::make_shared<DecodeRows>(mx::to_stream(mx::Device::cpu), bits, group, threads), inputs);
 }
 
 // ---- RMS norm of float32 rows (MLX's CPU norm took a pass per op, its sum the slowest) ----
@@ -1548,9 +1798,10 @@ class RmsRows : public CpuOp {
   RmsRows(mx::Stream st, float eps, int threads) : CpuOp(st), eps_(eps), threads_(threads) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto rows = rows_of(in, {"x", "weight"});
     auto& out = outs[0];
     auto& enc = encoder(in, out);
-    enc.dispatch([in = rows_of(in), out_ptr = out.data<float>(), eps = eps_,
+    enc.dispatch([in = std::move(rows), out_ptr = out.data<float>(), eps = eps_,
                   threads = threads_]() { run(in, out_ptr, eps, threads); });
   }
 
@@ -1587,10 +1838,15 @@ class RmsRows : public CpuOp {
 };
 
 mx::array rms_rows(const mx::array& x, const mx::array& weight, float eps, int threads) {
-  check(x.ndim() >= 1 && x.dtype() == mx::float32, "rows must be float32");
-  check(threads >= 1, "threads must be at least 1");
-  check(weight.ndim() == 1 && is_float(weight.dtype()) && weight.shape(0) == x.shape().back(),
-        "weight must be floats, one per dim of a row");
+  check(x.ndim() >= 1 && x.dtype() == mx::float32,
+        [&] { return std::string("x must be float32 rows, got " + shape_of(x)); });
+  check_threads(threads);
+  check(weight.ndim() == 1 && is_float(weight.dtype()) && weight.shape(0) == x.shape().back(), [&] {
+    return std::string("weight must be floats, one per dim of a row (" +
+                       std::to_string(x.shape().back()) + "), got " + shape_of(weight));
+  });
+  check(std::isfinite(eps) && eps >= 0.f, "eps must be finite and at least 0");
+  check_floats(x.size(), "x");
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<RmsRows>(mx::to_stream(mx::Device::cpu), eps, threads),
                    {x, weight});

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Builds the fused CPU decode attention (csrc/) into veloxquant_mlx/ops/ with the venv's
-# MLX and nanobind. Usage: scripts/build_native.sh [python]; a failure leaves the library
-# on MLX's ops (slower on a CPU, same results) and says so.
+# Rebuilds the fused CPU decode attention (csrc/) in place with the venv's MLX and nanobind:
+# the build `pip install -e .` runs (setup.py, mlx.extension.CMakeBuild), kept as a
+# shortcut. Usage: scripts/build_native.sh [python]; a failure leaves the library on MLX's
+# ops (slower on a CPU, same results) and says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-.venv/bin/python}"
-PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"  # absolute: cmake runs elsewhere
 build="${VELOXQUANT_BUILD_DIR:-build/native}"
 mkdir -p "$(dirname "$build")"
-if cmake -S csrc -B "$build" -DPython_EXECUTABLE="$PY" -DCMAKE_BUILD_TYPE=Release >"$build.log" 2>&1 \
-   && cmake --build "$build" -j 2 >>"$build.log" 2>&1; then
-  cp "$build"/_native*.so veloxquant_mlx/ops/
-  echo "setup: built the fused CPU kernel (veloxquant_mlx/ops/$(basename "$build"/_native*.so))"
-else
-  echo "setup: could not build the fused CPU kernel (log: $build.log); attention runs on MLX's ops"
+if "$PY" setup.py -q build_ext --inplace -t "$build" -b "$build/lib" >"$build.log" 2>&1 \
+   && ! grep -q "veloxquant_mlx: the fused CPU attention kernel was not" "$build.log"; then
+  echo "setup: built the fused CPU kernel (veloxquant_mlx/ops/$(cd veloxquant_mlx/ops && ls _native*.so))"
+else  # setup.py's warning: why, and whether an earlier build stays
+  why="$(grep -o "the fused CPU attention kernel was not.*" "$build.log" | head -n 1 || true)"
+  [ -n "$why" ] || why="could not build the fused CPU kernel; attention runs on MLX's ops"
+  echo "setup: $why (log: $build.log)"
 fi
+

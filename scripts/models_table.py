@@ -110,11 +110,18 @@ loop), no hook can reach it and every method refuses.
 
 Sliding-window layers (mlx_lm's `RotatingKVCache`) are compressed too (`s`, `r`):
 StreamingLLM keeps a ring of min(window, its window) recent tokens without sinks;
-affine and KIVI keep a ring over their compressed form (`cache.sliding.SlidingCache`:
-one inner cache, rebuilt without the tokens older than the window once a quarter window
-of them has piled up; attention through the inner cache's own `attend`, with the
-model's sliding mask mapped onto the held tokens). Other methods leave those layers on
-mlx_lm's own cache. A model whose sliding masks use another window than its ring keeps
+affine, KIVI and TurboQuant keep a ring over their compressed form
+(`cache.sliding.SlidingCache`: one inner cache, rebuilt without the tokens older than
+the window once a quarter window of them has piled up; attention through the inner
+cache's own `attend`, with the model's sliding mask mapped onto the held tokens;
+TurboQuant drops its sinks and codes, never its float16 window, and keeps at most
+`W - 1` sinks in a layer of window `W`). The other methods leave those layers on
+mlx_lm's own cache, dense, and say so in `veloxquant doctor`: the cross-layer ones
+(xKV's shared SVD basis, MiniCache's merged pairs, XQuant's stored inputs and XQuant-CL's
+deltas between layers) hold a layer's tokens in a form built with other layers' tokens,
+which a ring cannot cut per layer (and a group would mix windows); SnapKV keeps the
+tokens its prefill scores chose over every position, not the most recent ones, so a
+ring of the window is a different method. A model whose sliding masks use another window than its ring keeps
 (plamo3: one token more) keeps mlx_lm's ring, whose quirk is the output. The table above
 gives the bytes on a hybrid tiny model: compressed sliding layers hold a fraction of
 mlx_lm's ring.

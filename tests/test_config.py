@@ -109,10 +109,11 @@ def test_0_1_fields_the_method_cannot_hold_are_refused_by_name():
 def test_0_1_flags_still_parse():
     from veloxquant_mlx.cli import build_parser, config_from_args
 
-    args = build_parser().parse_args(["generate", "--method", "xkv", "--xkv-rank-k", "64",
+    # generate takes the method as one --kv spec; the other subcommands keep the flags.
+    args = build_parser().parse_args(["eval", "--method", "xkv", "--xkv-rank-k", "64",
                                       "--xkv-group-size", "2"])
     assert config_from_args(args) == KVCacheConfig("xkv", rank_k=64, group_layers=2)
-    args = build_parser().parse_args(["generate", "--method", "minicache",
+    args = build_parser().parse_args(["eval", "--method", "minicache",
                                       "--minicache-bits", "4"])
     assert config_from_args(args).options.bits == 4
 

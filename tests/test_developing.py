@@ -25,6 +25,7 @@ from veloxquant_mlx import (
     registry,
     save_prompt_cache,
 )
+from veloxquant_mlx.apps.generate import generate_config
 from veloxquant_mlx.cli import build_parser, config_from_args
 from veloxquant_mlx.register import REGISTERED
 from veloxquant_mlx.testing.architectures import list_model_types
@@ -44,7 +45,9 @@ def test_the_example_method_is_picked_up_everywhere(example_module, tmp_path: Pa
     assert "int8" in registry.methods()
     cfg = KVCacheConfig.from_string("int8:window=24")
     assert cfg.options.window == 24
-    args = build_parser().parse_args(["generate", "--method", "int8", "--window", "24"])
+    args = build_parser().parse_args(["generate", "--kv", "int8:window=24"])
+    assert generate_config(args) == cfg
+    args = build_parser().parse_args(["eval", "--method", "int8", "--window", "24"])
     assert config_from_args(args) == cfg
     model = tiny_model("llama")
     caches = KVCacheBuilder.for_model(model, cfg)

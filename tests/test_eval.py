@@ -407,6 +407,14 @@ def test_sweep_writes_json_md_png(model, tmp_path):
     assert len(q["per_window"]) == 2 and sum(q["per_block"]["tokens"]) == 32
     md = (tmp_path / "bench.md").read_text()
     assert AFFINE4 in md and "bench.png" in md and "real MiB" in md and "steady/dense" in md
+    # The peak on mlx_lm's path, beside mlx_lm's dense cache (its 4-bit cache needs a key
+    # width of a multiple of 64: this model's is 32).
+    peak = {r["method"]: r for r in data["peak"]}
+    assert list(peak) == ["none", AFFINE4, "mlx_lm:dense"]
+    assert all(r["peak_bytes"] >= r["retained_bytes"] > 0 for r in peak.values())
+    assert peak[AFFINE4]["retained_bytes"] < peak["mlx_lm:dense"]["retained_bytes"]
+    assert peak["mlx_lm:dense"]["peak_over_dense"] == 1.0
+    assert "Peak on mlx_lm's own path" in md and "peak/mlx_lm:dense" in md
     import matplotlib.image
 
     assert matplotlib.image.imread(tmp_path / "bench.png").ndim == 3

@@ -542,7 +542,8 @@ def test_generate_cli_on_k_quant_file(tmp_path: Path, weights, capsys):
     path = tmp_path / "tiny-gen.gguf"
     write_llama(path, weights, {n: "Q5_K" for n in weights})
     args = cli.build_parser().parse_args(
-        ["generate", "--model", str(path), "--prompt", "the", "-m", "4", "--no-chat"]
+        ["generate", "--model", str(path), "--prompt", "the", "-m", "4",
+         "--ignore-chat-template"]
     )
     assert cli.cmd_generate(args) == 0
     assert "method=none" in capsys.readouterr().err

@@ -332,3 +332,36 @@ def test_trim_keeps_every_remaining_token_as_it_was(bits: int, n: int) -> None:
     # Within a quantization step of these N(0, 1) inputs (a misaligned group: ~3).
     assert mx.abs(k2[:, :, -40:] - k).max().item() < (1.6 if bits == 2 else 0.45)
     assert mx.abs(v2[:, :, -40:] - v).max().item() < (1.6 if bits == 2 else 0.45)
+
+
+# ---------------------------------------------------------------- server reuse
+def documented_reuse(n_held: int, keep: int, window: int, block: int) -> int:
+    """docs/methods/kivi.md: a cut to ``keep`` is reused only past the last whole key
+    block and, once values are coded, past the coded values plus the residual."""
+    if keep >= n_held:
+        return keep
+    coded_values = max(0, (n_held - window) // block * block)
+    lowest = max(n_held // window * window, coded_values + window if coded_values else 0)
+    return keep if keep >= lowest else 0
+
+
+@pytest.mark.parametrize("window, block", [(32, 16), (64, 1), (32, 32)])
+def test_server_reuse_cuts_only_where_the_docs_say(window: int, block: int) -> None:
+    """The server's reusable length (``apps.prompt_reuse.exact_prefix``, which
+    tests/test_reuse_exact.py checks against fresh prefills) is the documented one, for
+    every held length of a growing cache and every shared prefix."""
+    from veloxquant_mlx.apps.prompt_reuse import exact_prefix
+
+    cache = make_cache(bits=2, group_size=32, window=window, block=block)
+    mx.random.seed(4)
+    x = mx.random.normal((1, 2, 7, 32))
+    limited = 0
+    for _ in range(24):  # 168 tokens, seven at a time, each chunk committed
+        cache.update_and_fetch(x, x)
+        cache.commit()
+        for keep in range(cache.offset + 1):
+            got = exact_prefix([cache], keep)[0]
+            assert got == documented_reuse(cache.offset, keep, window, block), \
+                (cache.offset, keep, got)
+            limited += got < keep
+    assert limited  # some cuts are refused

@@ -39,7 +39,7 @@ MAX_CORE_LINES = 500
 LAYERS: dict[str, tuple[str, ...]] = {
     "ops": ("ops",),
     "core": ("options", "config", "registry", "register", "errors", "_version", "memory",
-             "compat", "cache"),
+             "compat", "deps", "mlx_lm_private", "cache"),
     "adapter": ("adapter", "models"),
     "applications": ("apps",),
     "tools": ("eval",),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from veloxquant_mlx.ops import attention, native
@@ -280,6 +281,94 @@ def test_bad_part_counts_are_refused(counts: list[int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _call(_unprojected([0, 0, 0, 0, 0, *NO_PLACE] * 2), [mx.ones((1, 1, 4, 8))] * 2,
               counts)
+
+
+
+def _token_call(codes: mx.array, scales: mx.array, biases: mx.array, threads: int = 1,
+                spec: list[int] | None = None, q_: mx.array | None = None) -> mx.array:
+    """The op over one token part of 4-bit codes in groups of 32 (keys) and dense values."""
+    H, n = codes.shape[1], codes.shape[2]
+    spec = spec or [1, 4, 32, 1, 0, *NO_PLACE, 0, 0, 0, 0, 0, *[0] * native.SPEC_INTS]
+    q_ = mx.ones((1, H, 1, 64)) if q_ is None else q_
+    return native._native.decode_attention(q_, [codes, scales, biases, mx.ones((1, H, n, 64))],
+                                           spec, [1, 1], threads)
+
+
+def _past(a: mx.array) -> mx.array:
+    """``a``'s shape as a view starting past the end of its buffer."""
+    return mx.as_strided(a, a.shape, [int(np.prod(a.shape[i + 1:])) for i in range(a.ndim)],
+                         a.size)
+
+
+def _refusals() -> dict[str, tuple[Callable[[], mx.array], str]]:
+    qt = q.quantize(mx.random.normal((1, 4, 2048, 64), key=mx.random.key(70)), 4, 32)
+    c, s, z = qt.codes, qt.scales, qt.biases
+    dense = mx.ones((1, 1, 4, 8))
+    rope = [0, 0, 0, 0, 0, 0, 0, native.ROTATE, *[0] * 5, *[0] * native.SPEC_INTS]
+    tabled = [1, 2, 32, 0, 1, *NO_PLACE, *[0] * 5, *[0] * native.SPEC_INTS]
+    small = q.quantize(mx.ones((1, 1, 4, 32)), 2, 32)
+    return {
+        # Scales and biases of a saved cache with fewer KV heads than its codes: the kernel
+        # read past them (a segfault at these shapes).
+        "scales of fewer heads": (lambda: _token_call(c, s[:, :2], z[:, :2]),
+                                  r"part 0 \(spec\[0:13\], key part 0\): arrays\[1\]: scales "
+                                  r"must be 4-D floats with the codes' batch and KV heads"),
+        "integer biases": (lambda: _token_call(c, s, z.astype(mx.uint8)), "biases must be floats"),
+        "signed codes": (lambda: _token_call(c.astype(mx.int32), s, z), "codes must be unsigned"),
+        "codes past their buffer": (lambda: _token_call(_past(c), s, z),
+                                    r"arrays\[0\] .* strides run past its buffer"),
+        "scales past their buffer": (lambda: _token_call(c, _past(s), z),
+                                     r"arrays\[1\] .* strides run past its buffer"),
+        "codes strided along a row": (lambda: _token_call(mx.contiguous(c.swapaxes(-1, -2)).swapaxes(-1, -2),
+                                                          s, z), "contiguous along its last axis"),
+        "no threads": (lambda: _token_call(c, s, z, 0), "threads must be 1 to"),
+        "a million threads": (lambda: _token_call(c, s, z, 10**6), "threads must be 1 to"),
+        "a dense part with bits": (lambda: native._native.decode_attention(
+            mx.ones((1, 1, 1, 8)), [dense, dense], [0, 4, 0, 0, 0, *[0] * 8] * 2, [1, 1]),
+            "a dense part's bits, group, biases and table ints must be 0"),
+        "projection ints without a projection": (lambda: native._native.decode_attention(
+            mx.ones((1, 1, 1, 8)), [dense, dense], [0] * 8 + [1, 4, 32, 0, 0] + [0] * 13,
+            [1, 1]), "zeros in its projection's five ints"),
+        "an output offset past any head": (lambda: native._native.decode_attention(
+            mx.ones((1, 1, 1, 8)), [dense, dense], [0] * 13 + [0, 0, 0, 0, 0, 0, 1 << 30] + [0] * 6,
+            [1, 1]), r"part 1 \(spec\[13:26\], value part 0\): offsets must be 0 to 65536"),
+        "no counts": (lambda: native._native.decode_attention(mx.ones((1, 1, 1, 8)), [dense] * 2,
+                                                             [0] * 26, []), "counts must be"),
+        "scores of broadcast shapes": (lambda: native._native.decode_attention(
+            mx.broadcast_to(mx.ones((1, 1, 1, 8)), (1, 1, 1 << 16, 8)),
+            [mx.broadcast_to(dense[:, :, :1], (1, 1, 1 << 15, 8))] * 2, [0] * 26, [1, 1]),
+            "the scores .* must be at most 2"),
+        "a broadcast table": (lambda: native._native.decode_attention(
+            mx.ones((1, 1, 1, 32)), [small.codes, small.scales, mx.broadcast_to(mx.ones(1), (4,)),
+                                     mx.ones((1, 1, 4, 32))], tabled, [1, 1]),
+            r"arrays\[2\] \(a table\) must be contiguous"),
+        "broadcast frequencies": (lambda: native._native.decode_attention(
+            mx.ones((1, 1, 1, 8)), [dense, mx.broadcast_to(mx.ones((1, 1, 1, 1)), (1, 1, 1, 4)),
+                                    mx.zeros((1, 1, 1, 1), mx.int32), dense], rope, [1, 1]),
+            "inverse frequencies.* must be contiguous"),
+        "decoded rows past their buffer": (lambda: native._native.floats_of(
+            _past(small.codes), small.scales, small.biases, 2, 32), "codes .* run past"),
+        "float codes to decode": (lambda: native._native.floats_of(
+            small.codes.astype(mx.float32), small.scales, small.biases, 2, 32),
+            "codes must be unsigned"),
+        "rows past their buffer": (lambda: native._native.rms_rows(
+            _past(mx.ones((4, 8))), mx.ones(8), 1e-5), "x .* run past its buffer"),
+        "a NaN eps": (lambda: native._native.rms_rows(mx.ones((4, 8)), mx.ones(8), float("nan")),
+                      "eps must be finite"),
+        "rows of broadcast shapes": (lambda: native._native.rms_rows(
+            mx.broadcast_to(mx.ones(8), (1 << 28, 8)), mx.ones(8), 1e-5), "x must be at most 2"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_refusals()))
+def test_arguments_the_kernels_cannot_read_safely_are_refused(case: str) -> None:
+    # Every entry point checks shapes, dtypes and ints as the op is built, strides as it
+    # runs, before any task: a ValueError naming the argument, never a read out of bounds.
+    call, message = _refusals()[case]
+    with pytest.raises(ValueError, match=message):
+        mx.eval(call())
+    # The process goes on: a valid call right after runs.
+    assert mx.all(mx.isfinite(native._native.rms_rows(mx.ones((2, 8)), mx.ones(8), 1e-5))).item()
 
 
 XKV_AFTER_ROPE = "xkv:group_layers=2,block=64,rank_k=30,rank_v=20,factor_bits=4,pre_rope=False"

@@ -166,7 +166,13 @@ def test_parse_size_and_flag_errors(capsys: pytest.CaptureFixture) -> None:
     for flags, message in ((["--max-kv-memory", "2XB"], "--max-kv-memory='2XB' is not allowed"),
                            (["--prefill-share", "1.5"], "--prefill-share='1.5' is not allowed: "
                             "float >= 0.05 and <= 1.0"),
-                           (["--max-queue", "-1"], "--max-queue='-1' is not allowed")):
+                           (["--max-queue", "-1"], "--max-queue='-1' is not allowed"),
+                           (["--max-request-bytes", "0"], "--max-request-bytes='0' is not "
+                            "allowed"),
+                           (["--request-timeout", "0.5"], "--request-timeout='0.5' is not "
+                            "allowed: float >= 1.0"),
+                           (["--max-connections", "0"], "--max-connections='0' is not "
+                            "allowed")):
         with pytest.raises(SystemExit) as exit_info:
             main(["serve", "--method", "none", *flags])
         assert exit_info.value.code == 2
@@ -430,28 +436,32 @@ def test_context_and_memory_limits_refuse_clearly(kivi_server: int) -> None:
     port = kivi_server
     before = _settle(port)["counters"]
     status, _, reply = _ask(port, 4090, 100)
-    assert status == 400 and reply["code"] == "context_length_exceeded"
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
+    assert reply["error"]["type"] == "invalid_request_error"
     assert "prompt of 4095 tokens + max_tokens 100 = 4195 tokens exceeds --max-context=4096 " \
-           "(the model's maximum, model config max_position_embeddings)" in reply["error"]
+           "(the model's maximum, model config max_position_embeddings)" \
+           in reply["error"]["message"]
     assert reply["limit"]["prompt_tokens"] == 4095 and reply["limit"]["max_context"] == 4096
     cost = _limits(port)["kv_cost"]
     status, _, reply = _ask(port, 3500, 300)
-    assert status == 400 and reply["code"] == "kv_memory_exceeded", reply
+    assert status == 400 and reply["error"]["code"] == "kv_memory_exceeded", reply
     facts = reply["limit"]
     assert facts["requested_tokens"] == 3805 and facts["max_kv_memory"] == 1_200_000
     assert facts["required_bytes"] > 1_200_000
     assert facts["bytes_per_token"] == cost["bytes_per_token"] > 0
-    assert "--max-kv-memory=1.2 MB" in reply["error"]
+    assert "--max-kv-memory=1.2 MB" in reply["error"]["message"]
     assert cost["method"] == "kivi:bits=4"
-    assert f"kivi:bits=4 fits {cost['fits_x_dense']:.1f}x the tokens of dense" in reply["error"]
+    assert f"kivi:bits=4 fits {cost['fits_x_dense']:.1f}x the tokens of dense" \
+        in reply["error"]["message"]
     for extra, field in (({"model": "other"}, "model="), ({"seed": 1, "temperature": 0.7},
                                                         "seed=1")):
         status, _, reply = _ask(port, 5, 4, **extra)
-        assert status == 400 and reply["error"].startswith(field), reply
+        assert status == 400 and reply["error"]["message"].startswith(field), reply
+        assert reply["error"]["param"] == field.split("=")[0], reply
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "", "max_tokens": 3}))
     resp = conn.getresponse()
-    assert resp.status == 400 and json.loads(resp.read())["code"] == "empty_prompt"
+    assert resp.status == 400 and json.loads(resp.read())["error"]["code"] == "empty_prompt"
     conn.close()
     after = _settle(port)["counters"]
     delta = {k: after[k] - before[k] for k in after}
@@ -491,8 +501,8 @@ def test_queue_admits_after_release_and_refuses_with_retry_after(kivi_server: in
     waiter, got = _in_thread(_ask, port, 1200, 8)  # needs 0.5 MB more: waits in the queue
     _wait_for(port, "queued_requests", 1)
     status, headers, reply = _ask(port, 10, 4)  # the one queue place is taken
-    assert status == 429 and reply["code"] == "kv_memory_busy"
-    assert "--max-queue=1" in reply["error"] and int(headers["Retry-After"]) >= 1
+    assert status == 429 and reply["error"]["code"] == "kv_memory_busy"
+    assert "--max-queue=1" in reply["error"]["message"] and int(headers["Retry-After"]) >= 1
     holder.close()  # hang up: the holder is cancelled and its bytes come back
     waiter.join(timeout=60)
     status, _, reply = got[0]
@@ -502,7 +512,7 @@ def test_queue_admits_after_release_and_refuses_with_retry_after(kivi_server: in
     assert status == 200
     t0 = time.monotonic()
     status, headers, reply = _ask(port, 1200, 8)  # waits --queue-timeout=2 s, then 503
-    assert status == 503 and reply["code"] == "kv_memory_timeout"
+    assert status == 503 and reply["error"]["code"] == "kv_memory_timeout"
     assert 1.8 < time.monotonic() - t0 < 10 and int(headers["Retry-After"]) >= 1
     holder.close()
     snap = _settle(port)

@@ -1,10 +1,10 @@
-"""The ``veloxquant`` command: generate, methods, demo, eval, bench, serve."""
+"""The ``veloxquant`` command: generate, methods, demo, eval, bench, tune, serve, doctor."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
+from collections.abc import Callable
 from typing import Any
 
 from veloxquant_mlx import compat
@@ -89,28 +89,15 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import mlx_lm
+    from veloxquant_mlx.apps.generate import run_generate
 
-    from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
-    from veloxquant_mlx.apps.distributed import load_for_ranks
+    return run_generate(args)
 
-    config = config_from_args(args)
-    # Under mlx.launch: sharded over the ranks; rank 0 prints.
-    model, tokenizer = load_for_ranks(args.model, args, [config])
-    prompt = args.prompt
-    if args.chat or (args.chat is None and tokenizer.chat_template):
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-    caches = KVCacheBuilder.for_model(model, config)
-    text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
-                           prompt_cache=caches, verbose=args.verbose)
-    if not args.verbose:
-        print(text)
-    s = cache_stats(caches)
-    print(f"[veloxquant] method={config.method} held={s['held_bytes']} B "
-          f"fp16-equivalent={s['fp16_bytes']} B ratio={s['ratio']:.3f}", file=sys.stderr)
-    return 0
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from veloxquant_mlx.apps.doctor import run_doctor
+
+    return run_doctor(args.model, with_model=args.with_model)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -199,6 +186,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from veloxquant_mlx.models import load
 
     parse_specs(args.methods)  # bad specs fail before the model loads
+    if args.fit:
+        from veloxquant_mlx.eval.fit import run_fit
+        from veloxquant_mlx.eval.text import encode, load_text
+
+        try:
+            budgets = [_parse_bytes(b) for b in args.fit.split(",") if b.strip()]
+        except ConfigError:
+            budgets = []
+        if not budgets or min(budgets) <= 0:
+            raise ConfigError(f"--fit={args.fit!r} is not allowed: budgets over the "
+                              "weights such as 256MB or 128MiB,1GB")
+        model, tokenizer = load(args.model)
+        rec = run_fit(model, encode(tokenizer, load_text(args.text)), args.methods, budgets,
+                      args.out, args.fit_step, args.fit_cap, progress=args.progress)
+        with open(rec["files"]["md"], encoding="utf-8") as f:
+            print(f.read())
+        print(f"wrote {rec['files']['json']}, {rec['files']['md']}")
+        return 0
     contexts = None
     if args.contexts:
         contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
@@ -290,7 +295,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except NoFit as exc:  # an answer about the model, not a failure
         raise ConfigError(str(exc)) from exc
     print(tune_markdown(result))
-    print(f"wrote {args.out} (load it with --config {args.out})")
+    print(f"wrote {args.out} (load it with generate --kv-config {args.out}, or eval / "
+          f"serve --config {args.out})")
     return 0
 
 
@@ -382,31 +388,76 @@ def _add_bench_parser(sub: Any) -> None:
                    help="only print which attention path each kind of codes takes here")
     p.add_argument("--calibrate-kernels", action="store_true",
                    help="measure every attention path now, record the choices, print them")
+    p.add_argument("--fit", default=None, metavar="BUDGETS",
+                   help="only find, per method, the longest context whose measured peak "
+                        "over the weights fits each budget (e.g. 256MB or 128MiB,1GB); "
+                        "writes fit.json and fit.md into --out")
+    p.add_argument("--fit-step", type=int, default=256,
+                   help="--fit: contexts are multiples of this many tokens")
+    p.add_argument("--fit-cap", type=int, default=None,
+                   help="--fit: longest context tried (default: model limit / text length)")
     add_common_eval_arguments(p)
     p.set_defaults(func=cmd_bench)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that runs its ``checks`` on what it parsed, so that a
+    subcommand refuses a command line through its own parser (usage and exit 2)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks: list[Callable[[argparse.Namespace], str | None]] = []
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, rest = super().parse_known_args(args, namespace)
+        for check in self.checks:
+            problem = check(parsed)
+            if problem:
+                self.error(problem)
+        return parsed, rest
+
+
+def _add_generate_parser(sub: Any) -> None:
+    """``generate``: mlx_lm.generate's own flags, plus ``--kv`` / ``--kv-config``."""
+    from veloxquant_mlx.apps.generate import (
+        add_generate_arguments,
+        generate_parents,
+        old_flags_problem,
+    )
+
+    p = sub.add_parser("generate", parents=generate_parents(), add_help=False,
+                       help="generate text with a compressed KV cache (mlx_lm.generate's "
+                       "flags, plus --kv SPEC)",
+                       description="mlx_lm.generate over a compressed KV cache: the same "
+                       "flags, plus --kv SPEC / --kv-config FILE for the method.")
+    add_generate_arguments(p, {field: aliases for field, (_, aliases, _) in
+                               _option_flags().items()})
+    p.checks.append(old_flags_problem)
+    p.set_defaults(func=cmd_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="veloxquant", description=__doc__)
+    parser = _Parser(prog="veloxquant", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("methods", help="list the compression methods")
     p.set_defaults(func=cmd_methods)
 
-    p = sub.add_parser("generate", help="generate text with a compressed KV cache")
-    p.add_argument("--model", default=None, help="model path / repo id (default: embedded)")
-    p.add_argument("--prompt", default="What is the capital of France?")
-    p.add_argument("--max-tokens", "-m", type=int, default=100)
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="apply the chat template (default: when the tokenizer has one)")
-    p.add_argument("--verbose", action="store_true", help="stream tokens and print speeds")
-    add_method_arguments(p)
-    p.set_defaults(func=cmd_generate)
+    _add_generate_parser(sub)
+
+    p = sub.add_parser("doctor", help="what is active here (versions, extension, BLAS, "
+                       "device, attention paths) and what each method does with a model")
+    p.add_argument("--model", default=None,
+                   help="model whose layers to examine (default: the embedded model)")
+    p.add_argument("--no-model", dest="with_model", action="store_false",
+                   help="skip the model part (no model is loaded)")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("demo", help="dense vs compressed on the embedded model")
-    p.add_argument("--method", dest="method_spec", default="affine:bits=4",
-                   help="method spec, e.g. 'affine:bits=4' or 'xkv:rank_k=64'")
-    p.add_argument("--context", type=int, default=1024, help="tokens of context to measure")
+    p.add_argument("--method", dest="method_spec", default="turboquant",
+                   help="method spec, e.g. 'turboquant' or 'kivi:bits=2'")
+    p.add_argument("--context", type=int, default=4096, help="tokens of context to measure")
     p.set_defaults(func=cmd_demo)
 
     # eval / bench subcommands

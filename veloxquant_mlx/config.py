@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from veloxquant_mlx import compat
+from veloxquant_mlx.ops.files import write_text
 from veloxquant_mlx.options import ConfigError, MethodOptions, config_error
 
 __all__ = ["ConfigError", "KVCacheConfig", "config_error", "parse_value"]
@@ -35,6 +36,9 @@ SHARED_DEFAULTS: dict[str, Any] = {"max_ctx": 131072, "window_dtype": "float16",
                                    "rotate": False, "layers": None}
 SHARED = tuple(SHARED_DEFAULTS)
 WINDOW_DTYPES = (None, "float16", "bfloat16", "float32")
+# Layer indices ``layers`` may name when the model is not known yet: far above any model's
+# depth, yet a range up to it stays a few milliseconds (``check_layers`` bounds a model's).
+MAX_LAYERS = 4096
 
 
 def _options_class(method: Any) -> type[MethodOptions]:
@@ -147,6 +151,13 @@ class KVCacheConfig:
         return type(self.options).from_kwargs(override, base=self.options) if override \
             else self.options
 
+    def check_layers(self, n_layers: int) -> None:
+        """Every per-layer override must name a layer of a model of ``n_layers`` layers."""
+        beyond = [i for i, _ in self.layers or () if i >= n_layers]
+        if beyond:
+            raise ConfigError(f"KVCacheConfig.layers names layer {beyond[0]}: the model has "
+                              f"{n_layers} layers (overrides of layers 0 to {n_layers - 1})")
+
     def layer_overrides(self) -> dict[int, dict[str, Any]]:
         """``{layer: {option: value}}`` of the per-layer overrides (empty without)."""
         return {i: dict(items) for i, items in self.layers or ()}
@@ -164,7 +175,12 @@ class KVCacheConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVCacheConfig:
         """Rebuild from :meth:`to_dict`, or from a 0.1 flat dict; unknown keys are an error."""
+        if not isinstance(data, dict):
+            raise config_error("config", data, "a JSON object (a dict of KVCacheConfig "
+                               "fields)")
         data = dict(data)
+        if not isinstance(data.get("method", ""), str):
+            raise config_error("method", data["method"], "a method name string")
         if "options" not in data:
             data = compat.upgrade_config_dict(data)
         unknown = sorted(set(data) - {"method", "options", *SHARED})
@@ -172,7 +188,10 @@ class KVCacheConfig:
             raise ConfigError(f"unknown KVCacheConfig field(s) {unknown}; known fields: "
                               f"['method', 'options', {', '.join(map(repr, SHARED))}]")
         method = data.pop("method", None)
-        options = _options_class(method or cls().method).from_kwargs(data.pop("options") or {})
+        options = data.pop("options") or {}
+        if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+            raise config_error("options", options, "a dict {option name: value}")
+        options = _options_class(method or cls().method).from_kwargs(options)
         return cls(method, options, **data)
 
     def to_string(self) -> str:
@@ -203,7 +222,7 @@ class KVCacheConfig:
 
     def to_file(self, path: str | Path) -> None:
         """Write the config as JSON (what ``--config FILE`` reads)."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")  # whole or not at all
 
     @classmethod
     def from_file(cls, path: str | Path) -> KVCacheConfig:
@@ -213,7 +232,7 @@ class KVCacheConfig:
             raise FileNotFoundError(f"config file {str(path)!r} does not exist")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
             raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from exc
         if isinstance(data, dict) and "config" in data and "method" not in data:
             data = data["config"]  # a tuner result file: the chosen config inside
@@ -282,6 +301,9 @@ def _layer_range(where: str, group: str) -> range:
     if first < 0 or last < first:
         raise ConfigError(f"layers {where!r} in {group!r} is not an increasing range of "
                           "layer indices >= 0")
+    if last >= MAX_LAYERS:
+        raise ConfigError(f"layers {where!r} in {group!r} names layer {last}: layer indices "
+                          f"are below {MAX_LAYERS}")
     return range(first, last + 1)
 
 
@@ -305,7 +327,11 @@ def _layer_overrides(layers: Any, method: str, options: MethodOptions
     if isinstance(layers, str):
         layers = parse_layers(layers)
     elif isinstance(layers, (tuple, list)):
-        layers = {i: dict(items) for i, items in layers}
+        try:
+            layers = {i: dict(items) for i, items in layers}
+        except (TypeError, ValueError):
+            raise config_error("layers", layers, "((layer, ((option, value), ...)), ...)"
+                               ) from None
     if not isinstance(layers, dict):
         raise config_error("layers", layers, "a dict {layer: {option: value}} or a string "
                            "such as '0-3:bits=4/10:bits=3'")
@@ -318,9 +344,15 @@ def _layer_overrides(layers: Any, method: str, options: MethodOptions
     out = []
     for key, override in layers.items():
         where = str(key)
-        idx = _layer_range(where, where) if isinstance(key, str) else [key]
-        if isinstance(key, bool) or not isinstance(override, dict):
-            raise config_error("layers", layers, "{layer index: {option: value}}")
+        if isinstance(key, str):
+            idx: Any = _layer_range(where, where)
+        elif isinstance(key, int) and not isinstance(key, bool) and 0 <= key < MAX_LAYERS:
+            idx = [key]
+        else:
+            idx = None
+        if idx is None or not isinstance(override, dict):
+            raise config_error("layers", layers, "{layer index: {option: value}} with "
+                               f"indices 0 to {MAX_LAYERS - 1}")
         names = {}
         for name, value in override.items():
             resolved = compat.field_name(cls, name)

@@ -28,3 +28,9 @@ class UnsupportedModelError(ValueError):
     def __init__(self, message: str, reason: Refusal = Refusal.LAYER_FORM) -> None:
         super().__init__(message)
         self.reason = Refusal(reason)
+
+
+class GGUFError(ValueError):
+    """A GGUF file cannot be read or converted: malformed or truncated header, a value
+    of the wrong type, an unsupported architecture, tokenizer or tensor type. The
+    message names the file (or the metadata key) and what was expected."""

@@ -43,3 +43,30 @@ def transient_peak(fn: Callable[[], Any]) -> int:
         mx.eval(fn())
         mx.synchronize()
         return mx.get_peak_memory() - base
+
+
+# Score-block-sized arrays the prefill path may hold at once: twelve cover the most
+# measured (22-24 MiB at a 256-token step on a tiny llama with 2-4 layers).
+SCORE_BLOCKS = 12
+
+
+def prompt_working_bound(prefill_step: int, heads: int, kv_heads: int, head_dim: int,
+                         v_head_dim: int, layers: int) -> int:
+    """Bytes the package's attention may add to the peak, over what the model itself
+    needs for one prompt step, whatever the context (float32; docs/cpu-performance.md).
+
+    A prompt step of ``P`` tokens attends in key blocks of
+    ``kb = ops.attention._key_block(P * heads)`` keys: ``SCORE_BLOCKS`` arrays of
+    ``P * heads * kb`` floats (about ``BLOCK_FLOATS`` each) and a block's keys and values
+    decoded to floats, ``kb * kv_heads * (head_dim + v_head_dim)``. A decode step decodes
+    at most ``ops.kernels.BLOCK`` tokens' codes at once per layer, ``BLOCK * kv_heads *
+    (head_dim + v_head_dim)`` floats, counted for every layer since MLX may decode
+    several layers' codes before it needs them.
+    """
+    from veloxquant_mlx.ops.attention import _key_block
+    from veloxquant_mlx.ops.kernels import BLOCK
+
+    rows = prefill_step * heads
+    kb = _key_block(rows)
+    width = kv_heads * (head_dim + v_head_dim)
+    return 4 * (SCORE_BLOCKS * rows * kb + kb * width + layers * BLOCK * width)

@@ -15,6 +15,11 @@ Nothing of the harness may be alive across a reading and freed before the next o
 the logits of the last step are dropped before each reading, the prompt array is built
 before the first, and ``KVCacheBuilder.detach(model)`` runs before the first so that a
 hook installed by an earlier build is rebuilt (and counted) inside the interval.
+
+``measure_user_path`` reads the PEAK as a user meets it: the prompt and a few greedy
+tokens through mlx_lm's own ``generate_step`` (what ``stream_generate`` runs) with the
+caches as ``prompt_cache``; ``MLX_LM_CACHES`` are mlx_lm's dense and 4-bit caches, to
+measure beside the methods.
 """
 
 from __future__ import annotations
@@ -138,3 +143,79 @@ def _measure(model: nn.Module, config: CacheSource, tokens: Sequence[int], decod
     out.update(prefill_s=prefill_s, decode_s=decode_s, step_s=step_s,
                residual_bytes=active_bytes() - base)
     return out
+
+
+# ------------------------------------------------------------------ the user's path
+# mlx_lm's own caches, measured beside the methods: its dense ``KVCache`` (what
+# ``make_prompt_cache`` builds) and its 4-bit ``QuantizedKVCache`` in groups of 64.
+def mlx_lm_dense(model: nn.Module) -> list[Any]:
+    """mlx_lm's default caches for ``model`` (dense ``KVCache`` for a plain model)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model)
+
+
+def mlx_lm_q4(model: nn.Module) -> list[Any]:
+    """mlx_lm's 4-bit ``QuantizedKVCache`` (group 64) in every layer."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    return [QuantizedKVCache(group_size=64, bits=4) for _ in range(len(model.layers))]
+
+
+MLX_LM_CACHES: dict[str, Callable[[nn.Module], list[Any]]] = {
+    "mlx_lm:dense": mlx_lm_dense, "mlx_lm:q4": mlx_lm_q4}
+
+USER_PREFILL_STEP = 2048  # mlx_lm's default prompt step (``prefill_step_size``)
+
+
+def _generate(model: nn.Module, caches: list[Any], prompt: mx.array, steps: int,
+              prefill_step: int) -> None:
+    """The prompt and ``steps`` greedy tokens through mlx_lm's ``generate_step`` (what
+    ``stream_generate`` runs, without the detokenizer), caches passed as ``prompt_cache``."""
+    from mlx_lm.generate import generate_step
+
+    gen = generate_step(prompt, model, max_tokens=steps, prompt_cache=caches,
+                        prefill_step_size=prefill_step)
+    for token, logprobs in gen:
+        del token, logprobs
+    del gen
+
+
+def measure_user_path(model: nn.Module, source: CacheSource, tokens: Sequence[int],
+                      decode_steps: int = 8,
+                      prefill_step: int = USER_PREFILL_STEP) -> dict[str, Any]:
+    """Peak and retained bytes of ``source``'s caches on mlx_lm's own generation path.
+
+    Both over the reading before the caches existed (the weights and the prompt array),
+    with MLX's buffer cache off so that a recycled buffer hides no allocation:
+    ``peak_bytes`` is ``mx.get_peak_memory()`` over the prompt and ``decode_steps``
+    greedy steps (reset just before); ``retained_bytes`` what stays alive after them
+    (``memory.active_bytes``); ``working_bytes`` their difference, the prompt's and the
+    steps' transients. A warm-up run of the method goes first (process-wide constants).
+    """
+    if decode_steps < 1 or prefill_step < 1:
+        raise ValueError(f"decode_steps={decode_steps}, prefill_step={prefill_step}: "
+                         "both must be integers >= 1")
+    if len(tokens) < 2:
+        raise ValueError(f"the prompt has {len(tokens)} tokens: at least 2 are needed")
+    with no_buffer_cache():
+        KVCacheBuilder.detach(model)
+        warm = build_caches(model, source)
+        _generate(model, warm, mx.array(list(tokens[:64]), dtype=mx.int32), 2, 32)
+        del warm
+        KVCacheBuilder.detach(model)
+        prompt = mx.array(list(tokens), dtype=mx.int32)
+        base = active_bytes()
+        mx.reset_peak_memory()
+        caches = build_caches(model, source)
+        t0 = time.perf_counter()
+        _generate(model, caches, prompt, decode_steps, prefill_step)
+        seconds = time.perf_counter() - t0
+        mx.synchronize()
+        peak = mx.get_peak_memory() - base
+        retained = active_bytes() - base
+        del caches
+        KVCacheBuilder.detach(model)
+    return {"context": len(tokens), "decode_steps": decode_steps,
+            "prefill_step": prefill_step, "peak_bytes": peak, "retained_bytes": retained,
+            "working_bytes": peak - retained, "seconds": seconds}

@@ -1,8 +1,9 @@
 """Compressed prompt caches kept across requests: mlx_lm's ``LRUPromptCache`` for the server.
 
 ``CompressedPromptCache`` is mlx_lm's ``LRUPromptCache`` (its token trie, its typed LRU
-order, its byte counters, its insertion that drops the prefixes of a trimmable cache)
-with what compressed caches and a shared KV budget need:
+order, its byte counters, its insertion that drops the prefixes of a trimmable cache,
+only those the cache can be cut to exactly here) with what compressed caches and a
+shared KV budget need:
 
 - **What a request starts from.** The longest kept prefix of its prompt that leaves at
   least one token to prefill (the last position's logits are computed, never stored). A
@@ -12,6 +13,14 @@ with what compressed caches and a shared KV budget need:
   cache is reused only when its tokens are an exact prefix of the prompt. A copy's size
   must equal the shared prefix, so no request sees a state beyond an exactly shared
   token prefix. Nothing else matching: fresh caches from ``KVCacheBuilder.for_model``.
+- **Trimmed reuse is exact.** A cache trimmed to ``m`` tokens must hold what a fresh
+  cache holds after the same prompt steps cut at ``m`` (a *fresh prefill* of the
+  prefix: its tokens in the server's prompt chunks counted from the first token), so
+  nothing computed over another conversation's tokens (a scale, a statistic, a basis)
+  and no other float/coded split survives. ``exact_prefix`` gives the longest such
+  ``m`` up to the shared prefix; a shorter one is reused and the rest of the prompt is
+  prefilled (0: the entry is not reused, and the refusing methods are logged by name).
+  Which cut each method allows: docs/usage.md ("Which methods reuse how").
 - **Copies.** Kept caches and the caches handed out are deep copies made in one
   ``copy.deepcopy`` of the whole layer list, so a cross-layer method's coordinator
   travels with its sequence and the copy's layers share one new coordinator, never the
@@ -24,6 +33,11 @@ with what compressed caches and a shared KV budget need:
   request that needs room evicts entries least recently used first, never one pinned by
   an admitted request that has not copied it yet, and its own intended entry only as a
   last resort. ``--prompt-cache-size`` / ``--prompt-cache-bytes`` bound the entries.
+- **Disk.** With a ``DiskTier`` (``apps.disk_tier``, ``--prompt-cache-dir``) an evicted
+  entry (or one that did not fit) is handed to its writer thread, and so is every kept
+  one at ``persist_kept`` (shutdown, periodically). A request whose prompt shares a
+  longer prefix with a file than with any RAM entry loads that file into the pool
+  first; the rules above then decide, as for any RAM entry, how much is reused.
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import math
 import threading
 import weakref
 from collections import Counter
@@ -42,6 +57,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 
 from veloxquant_mlx.cache.base import CompressedCache, NotTrimmableError
 from veloxquant_mlx.cache.batch import in_cycles
+from veloxquant_mlx.cache.numerics import Stream
 from veloxquant_mlx.config import KVCacheConfig
 
 DEFAULT_ENTRIES = 10  # mlx_lm.server's --prompt-cache-size default
@@ -61,6 +77,75 @@ def _holds(cache: list[Any], n: int) -> bool:
     return all(c.offset == n for c in cache if isinstance(getattr(c, "offset", None), int))
 
 
+def _coded(s: Stream, n: int) -> int:
+    """Tokens of ``n`` that stream ``s`` holds coded once its last step committed."""
+    if s.roundtrip is None:
+        return 0
+    c = n - s.sink - s.keep
+    return max(0, c - c % s.block)
+
+
+def _stream_prefix(s: Stream, held: int, keep: int) -> int:
+    """The longest ``m <= keep`` at which ``s`` cut from ``held`` tokens to ``m`` splits
+    sinks, coded and held tokens as a fresh prefill of ``m`` does, and reads each kept
+    token as it does."""
+    coded = _coded(s, held)
+    if coded == 0 or keep >= held:
+        return keep  # nothing coded: every token is held as it was received
+    sinks = min(keep, s.sink)  # a cut among the sinks leaves only sinks, never coded
+    if s.commit != "next" and s.keep:
+        # Coded as soon as stored: a chunk's tokens read the codes of those after the
+        # cut, so only the uncut cache is a fresh one's.
+        return sinks
+    if keep >= s.sink + coded + s.keep:
+        return keep  # the cut lies in the residual and leaves the coded part whole
+    if s.keep or keep <= s.sink:
+        return sinks  # a fresh prefill of a shorter prefix holds some coded ones uncoded
+    # Codes without residual: whole commit blocks, never a group cut (its kept tokens
+    # would come back decoded with scales taken over the dropped ones).
+    unit = math.lcm(s.block, s.trim_group)
+    return s.sink + (keep - s.sink) // unit * unit
+
+
+def layer_prefix(cache: Any, keep: int) -> int:
+    """The longest prefix ``<= keep`` of one layer's tokens that, trimmed to, it holds as a
+    fresh prefill of that prefix would: a method's own ``reusable_prefix``, else what its
+    declared numerics (``cache.numerics``) say; a layer whose numerics depend on more
+    than each token (merges, bases, scores) is exact only while it compressed nothing."""
+    cache = getattr(cache, "inner", cache)  # a sliding ring that never dropped
+    own = getattr(cache, "reusable_prefix", None)
+    if own is not None:
+        return min(keep, int(own(keep)))
+    if not isinstance(cache, CompressedCache):
+        return keep  # mlx_lm's own caches hold tokens as received
+    held = cache.offset
+    if keep >= held:
+        return keep
+    numerics = type(cache).stored_numerics(cache.config, cache.layer)
+    if not numerics.exact:
+        limit = numerics.lossless_until
+        return keep if limit is not None and held <= limit else 0
+    if numerics.evict is not None and held > sum(numerics.evict):
+        return 0
+    return min(_stream_prefix(numerics.keys, held, keep),
+               _stream_prefix(numerics.values, held, keep))
+
+
+def exact_prefix(cache: list[Any], keep: int) -> tuple[int, list[str]]:
+    """The longest prefix ``<= keep`` that every layer of ``cache``, trimmed to it, holds
+    as a fresh prefill would, and the methods that shortened it."""
+    limiting: list[str] = []
+    while keep > 0:
+        cut = {id(c): layer_prefix(c, keep) for c in cache}
+        short = min(cut.values())
+        if short >= keep:
+            break
+        limiting += [str(getattr(c, "method", type(c).__name__)) for c in cache
+                     if cut[id(c)] < keep]
+        keep = short
+    return keep, sorted(set(limiting))
+
+
 def _finished(ticket: Any) -> bool:
     # The batch generator marks a request that stopped generating before mlx_lm inserts it.
     return ticket is not None and ticket.stop_progress is not None and not ticket.cancelled
@@ -70,8 +155,10 @@ class CompressedPromptCache(LRUPromptCache):
     """mlx_lm's prompt cache for compressed caches, inside the server's KV budget."""
 
     def __init__(self, model_provider: Any, config: KVCacheConfig, limits: Any = None,
-                 max_size: int = DEFAULT_ENTRIES, max_bytes: int | None = None) -> None:
+                 max_size: int = DEFAULT_ENTRIES, max_bytes: int | None = None,
+                 disk: Any = None) -> None:
         super().__init__()
+        self.disk = disk  # a DiskTier, or None: evicted entries are gone
         # mlx_lm's insertion evicts to its limits without knowing pins: ours apply after it.
         self.max_size = self.max_bytes = _NO_LIMIT
         self.entry_limit, self.byte_limit = max_size, max_bytes
@@ -84,7 +171,8 @@ class CompressedPromptCache(LRUPromptCache):
         self._dropped: list[list[Any]] = []
         self._owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.counters = dict.fromkeys(("requests", "reused", "reused_tokens", "trimmed",
-                                       "kept", "not_kept", "evicted"), 0)
+                                       "limited", "kept", "not_kept", "evicted",
+                                       "from_disk"), 0)
         if self.budget is not None:
             self.budget.keeper = self
 
@@ -103,14 +191,30 @@ class CompressedPromptCache(LRUPromptCache):
             plan.append((exact, len(exact)))
         return plan
 
-    def _usable(self, model: Any, key: list[int], keep: int) -> bool:
+    def _usable(self, model: Any, key: list[int], keep: int, log: bool = False) -> int:
+        """Tokens of entry ``key`` a request sharing its first ``keep`` reuses exactly."""
         cache = self._trie.get(model, key).prompt_cache
-        return keep == len(key) or can_trim_prompt_cache(cache)
+        if keep == len(key):
+            return keep
+        if not can_trim_prompt_cache(cache):
+            return 0
+        exact, limiting = exact_prefix(cache, keep)
+        if exact < keep and log:
+            self.counters["limited"] += 1
+            logging.info("prompt cache: %s cannot be cut to %d shared tokens as a fresh "
+                         "prefill holds them; %d reused", ", ".join(limiting), keep, exact)
+        return exact
+
+    def _ranked(self, model: Any, tokens: list[int],
+                log: bool = False) -> list[tuple[list[int], int]]:
+        """Planned entries with the tokens each reuses exactly, most tokens first."""
+        found = [(key, self._usable(model, key, keep, log))
+                 for key, keep in self._plan(model, tokens)]
+        return sorted([f for f in found if f[1] > 0], key=lambda f: -f[1])
 
     def _copy(self, model: Any, key: list[int], keep: int) -> list[Any] | None:
-        """A deep copy of entry ``key`` cut to its first ``keep`` tokens, or ``None``."""
-        if not self._usable(model, key, keep):
-            return None
+        """A deep copy of entry ``key`` cut to its first ``keep`` tokens (a length
+        ``_usable`` gave), or ``None``."""
         entry = self._trie.get(model, key)
         cache = copy.deepcopy(entry.prompt_cache)
         if keep < len(key):
@@ -136,9 +240,8 @@ class CompressedPromptCache(LRUPromptCache):
         """The entry a request of ``tokens`` would start from (admission pins it)."""
         model = self.model_provider.model_key
         with self.lock:
-            for key, keep in self._plan(model, list(tokens)):
-                if self._usable(model, key, keep):
-                    return model, tuple(key)
+            for key, _ in self._ranked(model, list(tokens)):
+                return model, tuple(key)
         return None
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any], list[int]]:
@@ -149,7 +252,11 @@ class CompressedPromptCache(LRUPromptCache):
         with self.lock:
             self.unpin(ticket)
             self.counters["requests"] += 1
-            for key, n in self._plan(model, tokens):
+            ranked = self._ranked(model, tokens) if self.disk is not None else []
+        if self.disk is not None:
+            self._restore(model, tokens, ranked[0][1] if ranked else 0)
+        with self.lock:
+            for key, n in self._ranked(model, tokens, log=True):
                 cache = self._copy(model, key, n)
                 if cache is not None:
                     keep = n
@@ -161,6 +268,44 @@ class CompressedPromptCache(LRUPromptCache):
         else:
             logging.info("prompt cache: %d of %d prompt tokens reused", keep, len(tokens))
         return self._attach(RequestCaches(cache), ticket), tokens[keep:]
+
+    def _restore(self, model: Any, tokens: list[int], in_ram: int) -> None:
+        """Load the file sharing the longest prefix with ``tokens`` (more than the
+        ``in_ram`` tokens a RAM entry gives) into the pool as an entry."""
+        from veloxquant_mlx.apps.disk_tier import salt_of
+
+        if self.entry_limit <= 0 or len(tokens) < 2:
+            return
+        found = self.disk.lookup(salt_of(model), tokens[:-1], in_ram)
+        caches = None if found is None else self.disk.read(found, self.model_provider.model)
+        if caches is None:
+            return
+        with self.lock:
+            self._keep(model, list(found["tokens"]), caches,
+                       found.get("cache_type") or "assistant", None)
+            self.counters["from_disk"] += 1
+
+    def _spill(self, model: Any, tokens: list[int], entry: Any) -> None:
+        """An entry leaving RAM goes to disk (on the disk tier's writer thread)."""
+        if self.disk is not None:
+            from veloxquant_mlx.apps.disk_tier import salt_of
+
+            self.disk.submit(salt_of(model), tokens, entry.prompt_cache, entry.cache_type)
+
+    def persist_kept(self) -> None:
+        """Hand every kept entry to the disk tier (at shutdown, and periodically)."""
+        if self.disk is None:
+            return
+        with self.lock:
+            kept = [(m, list(t)) for lru in self._lru._lrus.values() for m, t in lru]
+            for m, t in kept:
+                self._spill(m, t, self._trie.get(m, t))
+
+    def close_disk(self) -> None:
+        """Write every kept entry to disk and wait for the writer (at shutdown)."""
+        if self.disk is not None:
+            self.persist_kept()
+            self.disk.close()
 
     def _fresh(self) -> list[Any]:
         from veloxquant_mlx.adapter.builder import KVCacheBuilder
@@ -210,7 +355,7 @@ class CompressedPromptCache(LRUPromptCache):
         moved = 0
         if self.budget is not None and _finished(ticket):
             moved = self.budget.transfer(ticket, charge)
-        super().insert_cache(model, tokens, kept, cache_type=cache_type)
+        self._insert(model, tokens, kept, cache_type)
         entry = self._trie.get(model, tokens)
         self._n_bytes += charge - entry.nbytes
         self._n_bytes_by_type[cache_type] += charge - entry.nbytes
@@ -224,10 +369,34 @@ class CompressedPromptCache(LRUPromptCache):
             if self.budget is not None:
                 self.budget.note_held()
             return
+        self._spill(model, tokens, self._trie.get(model, tokens))
         self._pop(model, tokens)
         self.counters["not_kept"] += 1
         if moved:
             self.budget.transfer(ticket, -moved)
+
+    def _insert(self, model: Any, tokens: list[int], kept: list[Any], cache_type: str) -> None:
+        """mlx_lm's insertion (its entry, byte counters and LRU order; the limits are
+        ours), but of the entries of the prefixes of a trimmable cache, which mlx_lm
+        drops, only those that ``kept`` cut to them holds exactly: a prefix it cannot be
+        cut to exactly keeps its own entry, where it was in the LRU order."""
+        entry = LRUPromptCache.CacheEntry(kept, sum(c.nbytes for c in kept), cache_type)
+        self._n_bytes += entry.nbytes
+        self._n_bytes_by_type[cache_type] += entry.nbytes
+        prev = self._trie.add(model, tokens, entry)
+        if prev is not None:
+            self._n_bytes -= prev.nbytes
+            self._n_bytes_by_type[prev.cache_type] -= prev.nbytes
+            self._lru.remove(model, tokens)
+        self._lru.push(model, tokens, cache_type)
+        if not can_trim_prompt_cache(kept):
+            return
+        for n, old in self._trie.pop_prefixes(model, tokens):
+            if exact_prefix(kept, n)[0] == n:
+                self._lru.remove(model, tokens[:n])
+                self._drop(old)
+            else:
+                self._trie.add(model, tokens[:n], old)
 
     def _charge(self, cache: list[Any], n_tokens: int) -> int:
         declared = sum(getattr(c, "nbytes", 0) or 0 for c in cache)
@@ -267,7 +436,9 @@ class CompressedPromptCache(LRUPromptCache):
             if self._pins[key] or key in protect:
                 skipped.append((model, tokens))
                 continue
-            self._drop(self._trie.pop(model, tokens))
+            entry = self._trie.pop(model, tokens)
+            self._spill(model, tokens, entry)
+            self._drop(entry)
             self.counters["evicted"] += 1
         # Back at the old end of their kind's queue, in their order.
         for model, tokens in reversed(skipped):

@@ -16,6 +16,13 @@ Swapped in or added:
   shared by all requests, a bounded queue; admission and disconnects (``server_http``);
   fair chunked prefill and cancellation inside mlx_lm's batch generator
   (``server_batch``).
+- Edges (``server_requests``, ``server_http``): every request field checked before it
+  is queued, a body-size cap, socket timeouts, bounded handler threads; only loopback
+  ``Host`` names and no other site's ``Origin`` (no CORS unless ``--allow-origin``);
+  ``cache_salt`` keeps a client's kept caches to itself (``server_salt``).
+- ``--prompt-cache-dir`` (``disk_tier``): kept caches evicted from RAM, and all of them
+  at shutdown and periodically, go to files there; a later request (after a restart
+  too) whose prompt shares a longer prefix with a file than with RAM loads it.
 
 Concurrent requests are batched by mlx_lm's ``BatchGenerator`` through
 ``BatchedCache`` (one compressed cache per sequence).
@@ -38,6 +45,11 @@ from veloxquant_mlx.apps.prompt_reuse import (
     DEFAULT_ENTRIES,
     CompressedPromptCache,
     RequestCaches,
+)
+from veloxquant_mlx.apps.server_requests import (
+    MAX_CONNECTIONS,
+    MAX_REQUEST_BYTES,
+    REQUEST_TIMEOUT_S,
 )
 from veloxquant_mlx.config import KVCacheConfig
 
@@ -98,7 +110,9 @@ def build_server_args(args: argparse.Namespace) -> argparse.Namespace:
 
     return argparse.Namespace(
         model=args.model, adapter_path=None, host=args.host, port=args.port,
-        allowed_origins="*", draft_model=None, num_draft_tokens=3,
+        # Not read: the handler's own CORS (only --allow-origin's origins) replaces it.
+        allowed_origins=list(getattr(args, "allow_origin", None) or []),
+        draft_model=None, num_draft_tokens=3,
         trust_remote_code=False, log_level=args.log_level, chat_template="",
         use_default_chat_template=False, temp=args.temp, top_p=1.0, top_k=0, min_p=0.0,
         max_tokens=args.max_tokens, chat_template_args={},
@@ -116,12 +130,10 @@ def serve(args: argparse.Namespace, config: KVCacheConfig) -> None:
     """Run the server until interrupted (blocking)."""
     from mlx_lm import server as mlx_server
 
-    from veloxquant_mlx.apps.server_http import (
-        BackloggedHTTPServer,
-        LimitedAPIHandler,
-        LimitedResponseGenerator,
-    )
+    from veloxquant_mlx.apps.server_http import LimitedResponseGenerator, bind_http
     from veloxquant_mlx.apps.server_limits import ServerLimits, format_bytes
+    from veloxquant_mlx.apps.server_requests import HostPolicy
+    from veloxquant_mlx.apps.server_salt import SaltedPromptCache
 
     check_loopback(args.host)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -131,8 +143,8 @@ def serve(args: argparse.Namespace, config: KVCacheConfig) -> None:
                           queue_timeout=args.queue_timeout, probe=args.kv_probe_tokens,
                           chunk=args.prefill_step_size)
     provider = _provider_class()(build_server_args(args))
-    pool = CompressedPromptCache(provider, config, limits, max_size=_reused_entries(args),
-                                 max_bytes=args.prompt_cache_bytes)
+    pool = SaltedPromptCache(provider, config, limits, max_size=_reused_entries(args),
+                             max_bytes=args.prompt_cache_bytes)
     from veloxquant_mlx.apps.distributed import (
         response_generator,  # under mlx.launch: shards; rank 0 returns
     )
@@ -145,6 +157,7 @@ def serve(args: argparse.Namespace, config: KVCacheConfig) -> None:
         generator.join()
         _exit_with(generator.start_error)
     assert limits.cost is not None
+    _open_disk(args, pool, provider, config)
     logging.info("veloxquant serve: method=%s on %s:%d", config.method, args.host, args.port)
     print(f"[veloxquant] serving method={config.to_string()} on http://{args.host}:{args.port}"
           f"\n[veloxquant] max context {limits.max_context} ({limits.context_source}); KV "
@@ -152,9 +165,31 @@ def serve(args: argparse.Namespace, config: KVCacheConfig) -> None:
           f"{limits.cost.tokens_within(limits.budget.budget)} tokens; "
           f"{limits.cost.describe()}\n[veloxquant] {_describe_reuse(pool)}",
           file=sys.stderr, flush=True)
-    mlx_server._run_http_server(args.host, args.port, generator,
-                                server_class=BackloggedHTTPServer,
-                                handler_class=LimitedAPIHandler)
+    server_class, handler_class = bind_http(
+        max_connections=getattr(args, "max_connections", MAX_CONNECTIONS),
+        policy=HostPolicy.local(args.host, args.port, getattr(args, "allow_origin", None) or ()),
+        max_request_bytes=getattr(args, "max_request_bytes", MAX_REQUEST_BYTES),
+        request_timeout=getattr(args, "request_timeout", REQUEST_TIMEOUT_S))
+    try:
+        mlx_server._run_http_server(args.host, args.port, generator,
+                                    server_class=server_class, handler_class=handler_class)
+    finally:
+        pool.close_disk()  # every kept cache to disk before the process ends
+
+
+def _open_disk(args: argparse.Namespace, pool: CompressedPromptCache, provider: Any,
+               config: KVCacheConfig) -> None:
+    """The disk tier under the pool, once the model is loaded (its identity is part of
+    every file's name check)."""
+    folder = getattr(args, "prompt_cache_dir", None)
+    if folder is None or pool.entry_limit <= 0:
+        return
+    from veloxquant_mlx.apps.disk_tier import DiskTier, model_identity
+
+    identity = model_identity(provider.model, str(args.model or "embedded"))
+    pool.disk = DiskTier(folder, getattr(args, "prompt_cache_disk_bytes", None), identity,
+                         config.to_string())
+    pool.disk.periodic = pool.persist_kept
 
 
 def _reused_entries(args: argparse.Namespace) -> int:
@@ -176,8 +211,13 @@ def _describe_reuse(pool: CompressedPromptCache) -> str:
         return "prompt cache off: every request is prefilled from scratch"
     room = "within the KV budget" if pool.byte_limit is None else \
         f"at most {format_bytes(pool.byte_limit)} (--prompt-cache-bytes), within the KV budget"
+    disk = "" if pool.disk is None else (
+        f"; evicted ones go to {str(pool.disk.folder)!r} (--prompt-cache-dir, "
+        f"{len(pool.disk.entries)} there, " + (
+            "no size limit" if pool.disk.max_bytes is None else
+            f"at most {format_bytes(pool.disk.max_bytes)}") + ")")
     return (f"prompt cache: up to {pool.entry_limit} kept caches (--prompt-cache-size), "
-            f"{room}; requests start from the longest shared prefix")
+            f"{room}; requests start from the longest shared prefix{disk}")
 
 
 def _exit_with(error: Exception) -> None:
@@ -225,6 +265,41 @@ def _size(flag: str) -> Any:
     return parse
 
 
+def _folder(flag: str) -> Any:
+    """An argparse type: a folder that exists or can be made, else an error naming
+    ``flag``."""
+    def parse(text: str) -> str:
+        try:
+            os.makedirs(text, exist_ok=True)
+        except OSError as e:
+            raise argparse.ArgumentTypeError(
+                f"{flag}={text!r} is not allowed: a folder this process can create and "
+                f"write ({e.strerror or e})") from None
+        if not os.access(text, os.W_OK):
+            raise argparse.ArgumentTypeError(
+                f"{flag}={text!r} is not allowed: the folder is not writable")
+        return text
+    return parse
+
+
+def _add_reuse_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prompt-cache flags: kept caches in RAM and on disk."""
+    parser.add_argument("--prompt-cache-size", type=_checked(int, "--prompt-cache-size", 0),
+                        default=DEFAULT_ENTRIES, help="most caches kept for reuse by later "
+                        "requests (finished conversations, system prompts), compressed; "
+                        "0: every request is prefilled from scratch")
+    parser.add_argument("--prompt-cache-bytes", type=_size("--prompt-cache-bytes"),
+                        default=None, help="most bytes the kept caches may hold, e.g. 1GB "
+                        "(default: any part of --max-kv-memory that requests leave free)")
+    parser.add_argument("--prompt-cache-dir", type=_folder("--prompt-cache-dir"),
+                        default=None, metavar="DIR", help="a folder where kept caches "
+                        "evicted from RAM, and all of them at shutdown, are saved and found "
+                        "again (after a restart too). Default: none, evicted caches are lost")
+    parser.add_argument("--prompt-cache-disk-bytes", type=_size("--prompt-cache-disk-bytes"),
+                        default=None, help="most bytes of files in --prompt-cache-dir, e.g. "
+                        "20GB; least recently used go first (default: no limit)")
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``serve`` flags besides ``--method`` and the method options."""
     parser.add_argument("--model", default=None,
@@ -257,13 +332,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-share", type=_checked(float, "--prefill-share", 0.05, 1.0),
                         default=0.5, help="most of the time prompt processing may take "
                         "while other requests decode (1: no limit)")
-    parser.add_argument("--prompt-cache-size", type=_checked(int, "--prompt-cache-size", 0),
-                        default=DEFAULT_ENTRIES, help="most caches kept for reuse by later "
-                        "requests (finished conversations, system prompts), compressed; "
-                        "0: every request is prefilled from scratch")
-    parser.add_argument("--prompt-cache-bytes", type=_size("--prompt-cache-bytes"),
-                        default=None, help="most bytes the kept caches may hold, e.g. 1GB "
-                        "(default: any part of --max-kv-memory that requests leave free)")
+    _add_reuse_arguments(parser)
+    parser.add_argument("--max-request-bytes", type=_size("--max-request-bytes"),
+                        default=MAX_REQUEST_BYTES, help="largest request body; larger ones "
+                        "get 413 (default 4 MiB)")
+    parser.add_argument("--request-timeout", type=_checked(float, "--request-timeout", 1.0),
+                        default=REQUEST_TIMEOUT_S, help="seconds any one read or write on a "
+                        "connection may take, and a whole request body")
+    parser.add_argument("--max-connections", type=_checked(int, "--max-connections", 1),
+                        default=MAX_CONNECTIONS, help="open connections (handler threads); "
+                        "more get 503")
+    parser.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
+                        help="a web origin (e.g. http://localhost:3000) whose pages may call "
+                        "the server (CORS); repeatable. Default: none, other sites' pages "
+                        "are refused")
     parser.add_argument("--kv-probe-tokens", type=_checked(int, "--kv-probe-tokens", 16),
                         default=256, help="tokens of the start-up KV measurement (prefills "
                         "of N and 2N tokens)")

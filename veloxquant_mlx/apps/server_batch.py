@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
+import weakref
 from collections import deque
 from typing import Any
 
@@ -70,6 +71,7 @@ class ServerBatchGenerator(BatchGenerator):
 
     limits: ServerLimits | None = None
     prefill_share: float = 0.5
+    live: weakref.WeakSet = weakref.WeakSet()
 
     def __init__(self, model: Any, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
@@ -78,6 +80,8 @@ class ServerBatchGenerator(BatchGenerator):
         self._tickets: dict[int, Ticket] = {}
         self._decode_credit = 0.0
         self._steps = 0
+        # So that the server can close a generator whose loop failed (mlx_lm's is local).
+        type(self).live.add(self)
 
     def insert_segments(self, segments: list, max_tokens: Any = None, caches: Any = None,
                         *args: Any, **kwargs: Any) -> list[int]:
@@ -196,4 +200,5 @@ def bind_batch_generator(limits: ServerLimits, prefill_share: float) -> type:
     settings travel on the class.
     """
     return type("BoundServerBatchGenerator", (ServerBatchGenerator,),
-                {"limits": limits, "prefill_share": prefill_share})
+                {"limits": limits, "prefill_share": prefill_share,
+                 "live": weakref.WeakSet()})

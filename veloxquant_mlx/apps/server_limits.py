@@ -156,6 +156,12 @@ def measure_kv_cost(model: Any, config: KVCacheConfig, probe: int = TOKEN_STEP,
                   probe_tokens=(probe, 2 * probe), probe_bytes=real, dense_per_token=dense)
 
 
+# OpenAI's error ``type`` for each status the server answers with.
+ERROR_TYPES = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
+               411: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
 class LimitError(Exception):
     """A request refused by a limit: HTTP status, message and machine-readable facts."""
 
@@ -167,7 +173,10 @@ class LimitError(Exception):
         self.facts = facts
 
     def body(self) -> dict[str, Any]:
-        return {"error": self.message, "code": self.code, "limit": self.facts}
+        """OpenAI's error shape; ``limit``: the facts of a limit (sizes, measured cost)."""
+        error = {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
+                 "param": self.facts.get("name"), "code": self.code}
+        return {"error": error, **({"limit": self.facts} if set(self.facts) - {"name"} else {})}
 
 
 class ClientGone(ConnectionError):
@@ -195,6 +204,8 @@ class Ticket:
     # The kept cache it means to start from, and whether admission pinned it.
     reuse_key: Any = field(default=None, repr=False)
     pinned: bool = False
+    salt: str | None = field(default=None, repr=False)  # the request's cache_salt
+    failed: bool = False  # it failed in the generation thread (answered 500)
     _live: int = 0
     _handler_done: bool = False
 
@@ -350,7 +361,7 @@ class KVBudget:
 
 
 COUNTERS = ("requests", "admitted", "completed", "cancelled", "refused_context",
-            "refused_memory", "refused_busy", "refused_timeout", "bad_request")
+            "refused_memory", "refused_busy", "refused_timeout", "bad_request", "failed")
 
 
 class ServerLimits:
@@ -375,7 +386,7 @@ class ServerLimits:
         self.kv_real = self.kv_real_peak = 0
         self.real_over_reserved_peak: int | None = None
         self.ready = threading.Event()  # set once calibrate() ran (or failed)
-        self.ready = threading.Event()
+        self.vocab_size = 0  # the width of the model's logits, read at start
 
     # ---- start-up (generation thread) ----
     def set_context(self, model: Any, tokenizer: Any) -> None:
@@ -404,6 +415,8 @@ class ServerLimits:
         import psutil
 
         self.set_context(model, tokenizer)
+        # Read, not taken from the config: logit_bias and top_k index these logits.
+        self.vocab_size = int(model(mx.array([[0]])).shape[-1])
         if self.requested_memory is None:
             self.budget.budget = psutil.virtual_memory().available // 2
             self.memory_source = "default: half of the memory available at start"
@@ -462,15 +475,18 @@ class ServerLimits:
                     **{k: v for k, v in self.cost.to_dict().items() if k != "probe_bytes"})
 
     def admit(self, prompt_tokens: int, max_tokens: int, gone: Callable[[], bool],
-              tokens: Sequence[int] | None = None) -> Ticket:
+              tokens: Sequence[int] | None = None, salt: str | None = None) -> Ticket:
         """Check the limits, then wait for the bytes; ``LimitError`` when refused.
 
         ``tokens`` (the prompt) names the kept cache the request will start from, so
-        that making room for it evicts other entries first."""
+        that making room for it evicts other entries first; ``salt`` (``cache_salt``)
+        keeps it to the caches of requests with the same salt."""
         need = self.check(prompt_tokens, max_tokens)
-        ticket = Ticket(need=need, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+        ticket = Ticket(need=need, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                        salt=salt)
         if tokens is not None and self.budget.keeper is not None:
-            ticket.reuse_key = self.budget.keeper.match(tokens)
+            ticket.reuse_key = (self.budget.keeper.match(tokens) if salt is None
+                                else self.budget.keeper.match(tokens, salt=salt))
         total = prompt_tokens + max_tokens
         try:
             self.budget.acquire(ticket, gone)
@@ -499,7 +515,8 @@ class ServerLimits:
 
     def finished(self, ticket: Ticket) -> None:
         """The handler is done with ``ticket`` (answered, failed or cancelled)."""
-        self.record("cancelled" if ticket.cancelled else "completed")
+        self.record("failed" if ticket.failed else "cancelled" if ticket.cancelled
+                    else "completed")
         if ticket.cancelled:
             with self.budget.lock:
                 self.cancels.append(ticket)

@@ -22,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache.restore_check import check_arrays
 from veloxquant_mlx.cache.segments import CodebookCodes, TokenCodes
 from veloxquant_mlx.ops import codebook as cb
 from veloxquant_mlx.ops import quantize as q
@@ -130,6 +131,15 @@ class TokenStore:
         k, v = self.parts(block, dtype)
         return k.dense(0, k.n, dtype), v.dense(0, v.n, dtype)
 
+    def check(self, block: Any, batch: int, heads: int, what: str) -> int:
+        """A restored block's tokens; ``ValueError`` unless its arrays are what ``encode``
+        stores for that many tokens (``cache.restore_check``: shapes only, not evaluated)."""
+        n = _block_tokens(block, what)
+        if n:
+            zeros = [mx.zeros((batch, heads, n, d), mx.float32) for d in self.dims]
+            check_arrays(what, block, self.encode(*zeros))
+        return n
+
     def token_bytes(self) -> int:
         """Bytes of one token of one head (keys and values)."""
         if self.codecs is None:
@@ -150,6 +160,26 @@ NO_CODES = TokenBuffer()
 
 
 # ---- blocks: lists of arrays with the token on axis 2 ----
+def _block_tokens(block: Any, what: str) -> int:
+    if block is None:
+        return 0
+    # Codes in bit planes add an axis: [batch, heads, tokens, groups, bits].
+    if not isinstance(block, (list, tuple)) or not block or \
+            not isinstance(block[0], mx.array) or block[0].ndim < 4:
+        raise ValueError(f"{what}: expected a list of [batch, heads, tokens, ...] arrays")
+    return block[0].shape[2]
+
+
+def check_dense(block: Any, batch: int, heads: int, dims: tuple[int, int], what: str
+                ) -> int:
+    """A restored full-precision ``[keys, values]`` block's tokens; ``ValueError`` unless
+    both are ``[batch, heads, tokens, dim]`` floats of the layer's widths."""
+    n = _block_tokens(block, what)
+    if n:
+        check_arrays(what, block, [mx.zeros((batch, heads, n, d), mx.float16) for d in dims])
+    return n
+
+
 def tokens(block: Block | None) -> int:
     return 0 if not block else block[0].shape[2]
 

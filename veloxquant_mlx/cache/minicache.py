@@ -21,6 +21,7 @@ import mlx.core as mx
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
 from veloxquant_mlx.cache.minicache_coordinator import MiniCacheCoordinator, keep_tokens
 from veloxquant_mlx.cache.numerics import StoredNumerics, dense_loss
+from veloxquant_mlx.cache.restore_check import FLOATS, flat_state, require_dtypes
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import sdpa
 from veloxquant_mlx.options import MethodOptions, config_error
@@ -221,6 +222,40 @@ class MiniCacheCache(CompressedCache):
         if isinstance(self.keys, q.Quantized):
             return q.dequantize(self.keys, dtype), q.dequantize(self.values, dtype)
         return self.keys.astype(dtype), self.values.astype(dtype)
+
+    def check_state(self) -> None:
+        """The restored form against the options and the pair's counters
+        (``cache.restore_check``; its dense view checks the shapes after this)."""
+        coded = self.code_bits is not None
+        # Floats everywhere but the codes (uint32) and the retained positions (int32).
+        require_dtypes("saved arrays", [a for _, a in flat_state(self.state)],
+                       (*FLOATS, mx.int32, *((mx.uint32,) if coded else ())))
+        if not self.paired:
+            held = [x for x in (self.keys, self.values) if x is not None]
+            if any(isinstance(x, q.Quantized) != coded for x in held):
+                raise ValueError(f"saved keys/values are {'dense' if coded else 'codes'}; "
+                                 f"the option bits={self.code_bits} stores "
+                                 f"{'codes' if coded else 'float16'}")
+            return
+        coord, pair, member = self.layer.coordinator, self.layer.group_id, \
+            self.layer.member_idx
+        store = coord.store(pair)
+        n_merged, published, consumed = coord.counters(pair)
+        for part in (store.keys, store.values):
+            if part.direction is not None and \
+                    isinstance(part.direction, q.Quantized) != coded:
+                raise ValueError(f"saved merged directions do not match the option "
+                                 f"bits={self.code_bits}")
+            idx = part.retained_idx  # gathered from: positions must lie in the merged run
+            if idx is not None and idx.size and (idx.dtype != mx.int32 or not (
+                    0 <= mx.min(idx).item() and mx.max(idx).item() < n_merged)):
+                raise ValueError(f"saved retained positions ({idx.dtype}) are not int32 "
+                                 f"positions below the {n_merged} merged tokens")
+        held = n_merged + store.n_pending(member)
+        if not published == consumed == self.offset or held != self.offset:
+            raise ValueError(f"pair counters (merged {n_merged}, published {published}, "
+                             f"consumed {consumed}) and {held} tokens held do not match "
+                             f"the offset {self.offset}")
 
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         keys, values = self.dense_kv(queries.dtype)

@@ -11,14 +11,19 @@ including itself. A method compresses such a layer in one of two ways:
 - ``SlidingCache``: a ring over a method's compressed form, for methods whose stored
   form does not depend on token positions and can drop its oldest tokens exactly
   (``drops_front``, ``ring_alignment``, ``drop_oldest``: a stored form's segments drop
-  their front, ``cache.segments``). One inner cache of the method holds the tokens; once
-  ``block`` tokens older than the window have piled up, it drops them (codes sliced,
-  never re-quantized, as a dequantize / quantize round trip would move codes by a
-  step). Attention runs through the inner cache's own ``attend``, with the model's own
+  their front, ``cache.segments``): ``affine``, ``kivi``, ``turboquant``. One inner
+  cache of the method holds the tokens; once ``block`` tokens older than the window
+  have piled up, it drops them (codes sliced, never re-quantized, as a dequantize /
+  quantize round trip would move codes by a step); a method may keep some of them
+  (TurboQuant never cuts its float16 window), so the ring counts what its inner cache
+  dropped. Attention runs through the inner cache's own ``attend``, with the model's own
   sliding mask mapped onto the held tokens (or, without one, a band: every query sees the ``W`` most recent
   positions up to itself), so it sees exactly what mlx_lm's ring would give it.
 
-Methods that do neither leave sliding-window layers on mlx_lm's own cache.
+Methods that do neither leave sliding-window layers on mlx_lm's own cache: the
+cross-layer ones (``xkv``, ``minicache``, ``xquant``, ``xquant_cl``), whose stored form
+of a layer depends on other layers, and ``snapkv``, whose keep-set is chosen by scores
+over every position (docs/models.md).
 """
 
 from __future__ import annotations
@@ -99,7 +104,8 @@ class SlidingCache(CompressedCache):
             return
         n = droppable // self.align * self.align
         self.inner.drop_oldest(n)
-        self.start += n
+        # A method may keep some of them (TurboQuant's float16 window): count what went.
+        self.start = self.offset - self.inner.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.batch_size = keys.shape[0]

@@ -382,6 +382,22 @@ class SnapKVCache(ks.StoreCapabilities, CompressedCache):
         self._set_held(*((v[0], v[1]) if v else (None, None)))
         self.obs_queries = v[2] if len(v) > 2 else None
 
+    def check_state(self) -> None:
+        """The restored arrays against the layer, the store and the offset
+        (``cache.restore_check``: no dense view, so the arrays themselves)."""
+        B, H = self.batch_size, self.layer.n_kv_heads
+        dims = (self.layer.head_dim, self.layer.v_head_dim)
+        if self.coded:
+            n = ks.check_dense(self.sink_kv, B, H, dims, "sink tokens") + \
+                ks.check_dense(self.fresh, B, H, dims, "fresh tokens") + \
+                self.store.check(self.codes.used(), B, H, "coded tokens")
+        else:
+            held = None if self.kbuf is None else [self.keys, self.values]
+            n = ks.check_dense(held, B, H, dims, "held keys and values")
+        if n != self.offset - self.evicted:
+            raise ValueError(f"the saved arrays hold {n} tokens; offset {self.offset} less "
+                             f"{self.evicted} evicted is {self.offset - self.evicted}")
+
     @property
     def meta_state(self) -> tuple[str, ...]:
         return CompressedCache.meta_state.fget(self)

@@ -40,8 +40,11 @@ class StoredFormCache(CompressedCache):
     # bounded blocks (False); None: the path ``ops.kernels`` measured fastest here.
     use_quantized_matmul: ClassVar[bool | None] = None
     compute_dtype = mx.float32
-    # Attention runs in this dtype (None: the queries').
-    attend_dtype: ClassVar[mx.Dtype | None] = None
+    # Attention runs in this dtype, the output cast back (None: the queries'). float32:
+    # every path (the fused op, packed codes, float blocks) then rounds only the output,
+    # so bfloat16 and float16 models get one answer too (bfloat16 float blocks differed
+    # from packed codes by 2.6e-2 of a block's output, float32 by one output rounding).
+    attend_dtype: ClassVar[mx.Dtype | None] = mx.float32
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -109,7 +112,9 @@ class StoredFormCache(CompressedCache):
         out = _fused_rows([self], [slots], qr, scale, mask)
         if out is not None:
             return self._turn_out(out, queries.dtype)
-        out = attend_parts(qr, _parts(keys, qr), _parts(values, qr), scale, mask)
+        blocked = not decodes_at_once(qr.shape[1], self.layer.n_kv_heads, qr.shape[2])
+        out = attend_parts(qr, _parts(keys, qr, blocked), _parts(values, qr, blocked), scale,
+                           mask)
         self.commit()  # the new tokens were attended in full precision: code them now
         return self._turn_out(out, queries.dtype)
 
@@ -188,17 +193,20 @@ def _fused_rows(rows: list[Any], slots: list[tuple[list[Slot], list[Slot]]],
     return out
 
 
-def _parts(slots: list[Slot], queries: mx.array) -> list[Any]:
+def _parts(slots: list[Slot], queries: mx.array, blocked: bool = False) -> list[Any]:
     """Slots as parts. Codes read as floats go in blocks of ``kernels.BLOCK`` tokens, so
     no float copy of a whole store is built, and are read only once the layer's
     ``queries`` exist: nothing else ties a layer's decode to its place in the step, and
     MLX decoded the codes of later layers ahead (a TurboQuant step at 8160 tokens held
-    4.3 layers' keys and values as floats at its peak; 0.7 with the tie, measured)."""
+    4.3 layers' keys and values as floats at its peak; 0.7 with the tie, measured).
+    ``blocked``: the attention runs in key blocks, which read packed codes as floats too,
+    so packed slots are tied and cut like the others (untied, MLX's allocator kept 10% of
+    an ``affine`` store beyond its bytes after a plain-loop prompt: reused larger blocks)."""
     out = []
     for s in slots:
-        if s.kind == "dense" or s.packed or not s.n:
+        if s.kind == "dense" or (s.packed and not blocked) or not s.n:
             out += slot_parts([s])
             continue
-        tied = Slot(s.kind, mx.depends(s.arrays, [queries]), s.n, s.meta, s.packed)
+        tied = Slot(s.kind, mx.depends(s.arrays, [queries]), s.n, s.meta, s.packed and not blocked)
         out += slot_parts(tied.blocks(kernels.BLOCK))
     return out

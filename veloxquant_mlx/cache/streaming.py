@@ -157,6 +157,21 @@ class StreamingCache(ks.StoreCapabilities, CompressedCache):
         return super().supports_layer(layer_cache) or \
             sliding_window_of(layer_cache) is not None
 
+    def check_state(self) -> None:
+        """The restored arrays against the layer and the store (``cache.restore_check``)."""
+        B, H = self.batch_size, self.layer.n_kv_heads
+        dims = (self.layer.head_dim, self.layer.v_head_dim)
+        if self.store.quantized:
+            n = ks.check_dense(self.sink_kv, B, H, dims, "sink tokens") + \
+                self.store.check(self.win, B, H, "window codes") + \
+                ks.check_dense(self.fresh, B, H, dims, "fresh tokens")
+        else:
+            held = None if self.keys is None else [self.keys, self.values]
+            n = ks.check_dense(held, B, H, dims, "held keys and values")
+        if n > self.offset:
+            raise ValueError(f"the saved arrays hold {n} tokens, more than the saved offset "
+                             f"{self.offset}")
+
     # ---- positions of the held tokens ----
     def _n_held(self) -> int:
         if self.store.quantized:

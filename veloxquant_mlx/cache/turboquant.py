@@ -110,6 +110,9 @@ class TurboQuantCache(StoredFormCache):
     attends = True
     attend_dtype = mx.float32
     meta_fields = ("offset", "batch_size")
+    # Codes are per token: a sliding-window ring drops its oldest sinks and codes (never
+    # the float16 window, whose commit timing is part of the numerics: ``drop_oldest``).
+    drops_front = True
 
     @classmethod
     def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
@@ -138,7 +141,7 @@ class TurboQuantCache(StoredFormCache):
                 return q.dequantize(q.quantize(x, int(bits), d))
 
             return Stream(rotated(code), keep=o.window, block=o.block, commit="next",
-                          hold=rotated(held), sink=o.sink)
+                          hold=rotated(held), sink=sinks_of(o, layer))
 
         return StoredNumerics(stream(o.k_bits, layer.head_dim),
                               stream(o.v_bits, layer.v_head_dim),
@@ -228,7 +231,7 @@ class TurboQuantCache(StoredFormCache):
                     model: Any) -> None:
         # The rotations are shared by every layer: the first layer declares them.
         for i, c in enumerate(caches):
-            c.owns_rotation = i == 0
+            getattr(c, "inner", c).owns_rotation = i == 0  # a ring holds the cache inside
 
     def shared_arrays(self) -> list[mx.array]:
         if not self.owns_rotation:
@@ -246,7 +249,7 @@ class TurboQuantCache(StoredFormCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array,
                          incoming: tuple[mx.array, mx.array] | None = None
                          ) -> tuple[mx.array, mx.array]:
-        n_sink = max(0, min(self.opts.sink - self.offset, keys.shape[2]))
+        n_sink = max(0, min(sinks_of(self.opts, self.layer) - self.offset, keys.shape[2]))
         self.begin(keys, values)  # a step that did not attend leaves its tokens uncoded
         wdt = self.window_dtype(mx.float32)
         for sink, win, x in zip(self.sinks, self.window,
@@ -270,3 +273,26 @@ class TurboQuantCache(StoredFormCache):
         for codes, win in zip(self.codes, self.window):
             # ``take`` copies the rest: a kept slice would pin the pre-commit buffer.
             codes.append(win.take(n))
+
+    def drop_oldest(self, n: int) -> None:
+        """Forget up to ``n`` oldest tokens, sinks then codes (sliced, never re-coded),
+        for a sliding-window ring (``cache.sliding``, which reads back how many went).
+
+        The float16 window is never cut: when its tokens are coded follows how many it
+        holds (whole ``block`` s past ``window``), and a cut would code them at other
+        steps than the declared numerics. It holds at most ``window + block - 1`` tokens
+        after a commit, so the ring stays bounded all the same."""
+        self.commit()
+        n = min(n, self.sinks[0].n + self.codes[0].n)
+        if n > 0:
+            self.stored.drop_front(n)
+            self.offset -= n
+
+
+def sinks_of(opts: TurboQuantOptions, layer: LayerInfo) -> int:
+    """Float16 sink tokens of a layer: ``sink``, at most ``W - 1`` in a sliding-window
+    layer of window ``W``. A ring keeps at least ``W - 1`` tokens after a drop, so it
+    never holds fewer than the sinks and never files a later token as one."""
+    if layer.sliding_window:
+        return min(opts.sink, max(int(layer.sliding_window) - 1, 0))
+    return opts.sink

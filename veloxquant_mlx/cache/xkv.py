@@ -45,6 +45,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, NotTrimmableError
 from veloxquant_mlx.cache.numerics import WINDOW_ROUNDING, StoredNumerics, dense_loss
+from veloxquant_mlx.cache.restore_check import FLOATS, flat_state, require_dtypes
 from veloxquant_mlx.cache.xkv_coordinator import XKVCoordinator
 from veloxquant_mlx.ops import factors as fr
 from veloxquant_mlx.ops import native
@@ -783,6 +784,13 @@ class XKVCache(CompressedCache):
             for rows in self.shared[stream]:
                 arrays.extend(fr.rows_arrays(rows))
         return arrays
+
+    def check_state(self) -> None:
+        """Restored dtypes (``cache.restore_check``; the dense view checks the shapes):
+        windows and factors are floats, factor codes (``factor_bits``) uint32."""
+        require_dtypes("windows", [self.sink_k, self.sink_v, self.win_k, self.win_v])
+        codes = (*FLOATS, mx.uint32) if self.factor_bits is not None else FLOATS
+        require_dtypes("factors", [a for _, a in flat_state(self.state)[4:]], codes)
 
     @state.setter
     def state(self, v) -> None:

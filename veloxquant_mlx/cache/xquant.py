@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
 from veloxquant_mlx.cache.numerics import StoredNumerics, dense_loss
+from veloxquant_mlx.cache.restore_check import check_arrays
 from veloxquant_mlx.cache.xquant_coordinator import XQuantCoordinator
 from veloxquant_mlx.cache.xquant_hook import install_x_hook, uninstall_x_hook, x_hook_installed
 from veloxquant_mlx.ops import factors as fr
@@ -339,8 +340,37 @@ class XQuantCache(CompressedCache):
         self.codes = codes or None
         self.win = list(v[i:]) or None
 
+    def check_state(self) -> None:
+        """The restored codes and window against the stored widths (known once the hook
+        bound this layer) and the offset (``cache.restore_check``: shapes only)."""
+        B, n_parts = self.batch_size, len(self.widths)
+        for name, parts in (("codes", self.codes), ("window", self.win)):
+            if parts is not None and len(parts) != n_parts:
+                raise ValueError(f"{len(parts)} stored {name} parts, expected {n_parts} "
+                                 f"(widths {list(self.widths)})")
+        n_codes = self.codes[0].scales.shape[1] if self.codes else 0
+        for i, d in enumerate(self.widths):
+            if self.codes:
+                zeros = mx.zeros((B, n_codes, d), mx.float32)
+                check_arrays(f"codes of part {i}", self.codes[i].arrays,
+                             q.quantize(zeros, self.n_bits, self.group_size).arrays)
+            if self.win is not None:
+                check_arrays(f"window of part {i}", [self.win[i]],
+                             [mx.zeros((B, self.n_window(), d), mx.float16)])
+        if n_codes + self.n_window() != self.offset:
+            raise ValueError(f"the saved arrays hold {n_codes + self.n_window()} tokens; "
+                             f"the saved offset is {self.offset}")
+
     def is_trimmable(self) -> bool:
         return True
+
+    def reusable_prefix(self, keep: int) -> int:
+        """The longest prefix ``<= keep`` that, trimmed to, this cache holds as a fresh
+        prefill of it would (server reuse, ``apps.prompt_reuse``): any, as each token's
+        codes are its own, unless a window coded tokens a fresh prefill would hold."""
+        if keep >= self.offset or self.window == 0 or self.offset <= self.window:
+            return keep
+        return 0
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens (window first, then per-token codes)."""

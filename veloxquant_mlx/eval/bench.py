@@ -34,6 +34,14 @@ occasional compression step included) and the median step (``steady_ratio``, and
 ``steady_of_limit`` against the roofline): a method that compresses a block of tokens at
 once (xKV) pays it in one step, which a short run weighs as much as a long one.
 
+Peak (``peak_rows``): what a user runs out of memory on is the peak during the prompt,
+not the retained bytes. Every method, and mlx_lm's dense ``KVCache`` and 4-bit
+``QuantizedKVCache`` (rows ``mlx_lm:dense``, ``mlx_lm:q4``), runs the prompt and
+``PEAK_DECODE_STEPS`` greedy tokens on mlx_lm's own path (``generate_step``, what
+``stream_generate`` runs, at its default prompt step, the caches as ``prompt_cache``):
+``peak_bytes`` over the weights, ``retained_bytes`` after, and the prompt's working set
+(their difference) beside them (``adapter.retained.measure_user_path``).
+
 ``profile_decode`` (``python -m veloxquant_mlx.eval.bench --profile``): where the time of
 one decode step goes, per method (whole step, the model without KV, attention, decoding
 the codes, building the graph in Python).
@@ -53,7 +61,14 @@ from mlx.utils import tree_flatten
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder
 from veloxquant_mlx.adapter.mlx_lm import attention_routing
-from veloxquant_mlx.adapter.retained import CacheSource, build_caches, measure_retained
+from veloxquant_mlx.adapter.retained import (
+    MLX_LM_CACHES,
+    USER_PREFILL_STEP,
+    CacheSource,
+    build_caches,
+    measure_retained,
+    measure_user_path,
+)
 from veloxquant_mlx.cache.base import CompressedCache
 from veloxquant_mlx.eval.perplexity import Method, Spec, check_model_context, resolve_methods
 from veloxquant_mlx.memory import active_bytes, transient_peak
@@ -249,6 +264,56 @@ def _summarize(method: Method, context: int, decode_steps: int,
         "rss_bytes": max(r["rss_bytes"] for r in runs),
         "runs": runs,
     }
+
+
+# ------------------------------------------------------------------ peak, user's path
+PEAK_DECODE_STEPS = 8
+
+
+def with_mlx_lm(specs: Sequence[Spec] | str, model: nn.Module | None = None) -> list[Method]:
+    """``specs``' methods, then mlx_lm's dense and 4-bit caches (the 4-bit one only
+    where the model's key width is a multiple of its group of 64)."""
+    methods = resolve_methods(specs)
+    args = getattr(model, "args", None)
+    width = getattr(args, "head_dim", None) or (
+        args.hidden_size // args.num_attention_heads
+        if hasattr(args, "hidden_size") and hasattr(args, "num_attention_heads") else None)
+    extra = [Method(label, build) for label, build in MLX_LM_CACHES.items()
+             if label not in {m.label for m in methods}
+             and not (label == "mlx_lm:q4" and width and width % 64)]
+    return methods + extra
+
+
+def peak_rows(model: nn.Module, tokens: Sequence[int], specs: Sequence[Spec] | str,
+              contexts: Sequence[int], decode_steps: int = PEAK_DECODE_STEPS,
+              prefill_step: int = USER_PREFILL_STEP, progress: bool = False
+              ) -> list[dict[str, Any]]:
+    """One row per (method, context) on mlx_lm's path: peak, retained and working bytes
+    over the weights, and the peak over ``mlx_lm:dense``'s at the same context."""
+    from tqdm.auto import tqdm
+
+    methods = with_mlx_lm(specs, model)
+    need = max(contexts) + decode_steps
+    check_model_context(model, need, "context + decode steps")
+    if len(tokens) < max(contexts):
+        raise ValueError(f"the text has {len(tokens)} tokens: the peak table needs "
+                         f"{max(contexts)} (largest context); pass a longer --text")
+    rows = []
+    bar = tqdm(total=len(contexts) * len(methods), disable=not progress, desc="peak",
+               leave=False)
+    for context in contexts:
+        block = []
+        for m in methods:
+            r = measure_user_path(model, m.source, tokens[:context], decode_steps,
+                                  prefill_step)
+            block.append({"method": m.label, **r})
+            bar.update(1)
+        dense = next(r["peak_bytes"] for r in block if r["method"] == "mlx_lm:dense")
+        for r in block:
+            r["peak_over_dense"] = r["peak_bytes"] / dense if dense else float("nan")
+        rows.extend(block)
+    bar.close()
+    return rows
 
 
 # ------------------------------------------------------------------ decode profile

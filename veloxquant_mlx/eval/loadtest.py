@@ -149,6 +149,8 @@ def _refusal(resp: http.client.HTTPResponse, spec: Spec) -> tuple[str, str]:
         error = json.loads(raw).get("error")
     except (ValueError, AttributeError):
         error = None
+    if isinstance(error, dict):  # OpenAI's shape: {"error": {"message", "type", ...}}
+        error = error.get("message")
     if not (isinstance(error, str) and error):
         return "failed", f"{resp.status} without a JSON error: {raw[:200]!r}"
     if resp.status in (429, 503):

@@ -6,7 +6,9 @@ re-plot (per-window and per-block stats, command line, versions, seeds).
 
 ``run_sweep`` (``bench``): speed and real memory at each bench context
 (:func:`bench_methods`) and paired quality at one context (:func:`evaluate_quality`);
-writes ``bench.json``, ``bench.md`` (tables) and ``bench.png`` (real memory ratio vs
+and the peak over the weights on mlx_lm's own path beside mlx_lm's dense and 4-bit caches
+at each bench context (:func:`peak_rows`; ``eval`` adds the same table at each of its
+contexts); writes ``bench.json``, ``bench.md`` (tables) and ``bench.png`` (real memory ratio vs
 perplexity change and vs KL, 95% intervals as error bars) into ``out_dir``.
 """
 
@@ -18,7 +20,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from veloxquant_mlx.eval.bench import bench_methods
+from veloxquant_mlx.eval.bench import bench_methods, peak_rows
 from veloxquant_mlx.eval.perplexity import Spec, resolve_methods
 from veloxquant_mlx.eval.quality import evaluate_quality
 from veloxquant_mlx.eval.report import (
@@ -72,6 +74,29 @@ BENCH_COLUMNS = [
     ("RSS MiB", "rss_bytes", _mib),
 ]
 
+PEAK_COLUMNS = [
+    ("method", "method", None),
+    ("context", "context", None),
+    ("peak MiB", "peak_bytes", _mib),
+    ("retained MiB", "retained_bytes", _mib),
+    ("working MiB", "working_bytes", _mib),
+    ("peak/mlx_lm:dense", "peak_over_dense", lambda v: _fmt(v, 2)),
+]
+
+
+def peak_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The peak table and its caption (nothing without rows)."""
+    if not rows:
+        return []
+    r = rows[0]
+    return [f"Peak on mlx_lm's own path (generate_step with prompt_cache=, prompt step "
+            f"{r['prefill_step']}, {r['decode_steps']} greedy tokens): peak = "
+            "mx.get_peak_memory() over the prompt and the tokens, retained = bytes alive "
+            "after them, both over the weights (MLX's buffer cache off); working = peak - "
+            "retained. mlx_lm:dense and mlx_lm:q4 are mlx_lm's KVCache and "
+            "QuantizedKVCache(bits=4, group_size=64) in the same run.",
+            "", markdown_table(rows, PEAK_COLUMNS), ""]
+
 
 def resolve_params(defaults: dict[str, Any], **given: Any) -> dict[str, Any]:
     """``defaults`` with every given (not ``None``) value in its place."""
@@ -99,8 +124,8 @@ def run_eval(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
     resolve_methods(specs)  # every spec is checked before anything runs
     text = load_text() if text is None else text
     results = []
+    tokens = encode(tokenizer, text)
     if task == "ppl":
-        tokens = encode(tokenizer, text)
         for ctx in p["contexts"]:
             results.append(evaluate_quality(
                 model, tokenizer, specs, ctx, p["predict"], p["windows"], tokens=tokens,
@@ -114,8 +139,23 @@ def run_eval(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
                                       prompt_format=prompt_format)
             results.append({"context": ctx, "samples": p["samples"], "depths": list(depths),
                             "rows": rows})
+    _add_peaks(model, tokens, specs, results, progress)
     return run_record(argv, task=task, seed=seed, params=p, text=text_name or
                       "stdlib docstrings", chunk=chunk, results=results)
+
+
+def _add_peaks(model: nn.Module, tokens: list[int], specs: Sequence[Spec] | str,
+               results: list[dict[str, Any]], progress: bool) -> None:
+    """Each result gets the peak table at its context (``peak``); not on a sharded run,
+    where one rank's peak is not the method's."""
+    from veloxquant_mlx.apps.distributed import world
+
+    if world() is not None:
+        return
+    for res in results:
+        if res["context"] <= len(tokens):
+            res["peak"] = peak_rows(model, tokens, specs, [res["context"]],
+                                    progress=progress)
 
 
 def eval_markdown(record: dict[str, Any]) -> str:
@@ -134,7 +174,7 @@ def eval_markdown(record: dict[str, Any]) -> str:
                        f"samples per method (depths {res['depths']}), seed {record['seed']}; "
                        "the same samples for every method.")
             table = markdown_table(res["rows"], RETRIEVAL_COLUMNS)
-        out += ["", table, ""]
+        out += ["", table, ""] + peak_markdown(res.get("peak", []))
     return "\n".join(out)
 
 
@@ -168,13 +208,15 @@ def run_sweep(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
     tokens = encode(tokenizer, text)
     speed = bench_methods(model, tokens, specs, p["contexts"], p["decode_steps"],
                           p["repeats"], chunk, progress=progress)
+    peak = peak_rows(model, tokens, specs, p["contexts"], progress=progress)
     # windows=0: speed and memory only (the quality part is skipped).
     quality = {"rows": [], "pairs": []} if p["windows"] == 0 else _quality(
         model, tokenizer, specs, p, tokens, speed, seed, chunk, progress)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     record = run_record(argv, seed=seed, params=p, text=text_path or "stdlib docstrings",
-                        quality=quality["rows"], pairs=quality["pairs"], speed=speed)
+                        quality=quality["rows"], pairs=quality["pairs"], speed=speed,
+                        peak=peak)
     write_json(out / "bench.json", record)
     record["files"] = {"json": str(out / "bench.json"), "md": str(out / "bench.md"),
                        "png": "(no plot: quality skipped)"}
@@ -226,6 +268,7 @@ def sweep_markdown(record: dict[str, Any], png_name: str | None = "bench.png") -
         "milliseconds, of bound = it over the measured mean step, against the machine "
         "rather than dense (docs/cpu-performance.md).",
         "", markdown_table(record["speed"], BENCH_COLUMNS), ""]
+    out += peak_markdown(record.get("peak", []))
     if png_name:
         out += [f"![real memory vs quality]({png_name})", ""]
     return "\n".join(out)

@@ -33,7 +33,9 @@ Every measurement is appended to ``<out>.partial.json`` as it completes, keyed b
 determines it (spec, model, context, text, seeds), so an interrupted run resumes. The
 result file holds ``{"config": ...}`` for ``KVCacheConfig.from_file`` / ``--config``,
 with every measurement. ``run_frontier`` runs several budgets on one journal (a
-candidate is measured once for all of them).
+candidate is measured once for all of them). Both files are written whole or not at all
+(``ops.files``); a journal that is not one (corrupt, foreign) is set aside with a
+warning and the run measures again.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from veloxquant_mlx.eval import tune_search as search
 from veloxquant_mlx.eval.quality import bootstrap_ci
 from veloxquant_mlx.eval.text import encode, load_text, token_windows
 from veloxquant_mlx.eval.tune_replay import Recording, record
+from veloxquant_mlx.ops.files import set_aside, write_text
 from veloxquant_mlx.registry import get_method, methods
 
 QUICK = {"context": 1024, "predict": 64, "windows": 2, "per_method": 1, "calib_tokens": 256,
@@ -223,20 +226,35 @@ class Journal:
     def __init__(self, path: Path, fingerprint: str) -> None:
         self.path, self.fingerprint = path, fingerprint
         self.entries: dict[str, Any] = {}
-        if path.is_file():
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if data.get("fingerprint") == fingerprint:
-                self.entries = data.get("entries", {})
+        data = self._read()
+        if data is not None and data["fingerprint"] == fingerprint:
+            self.entries = data["entries"]
+
+    def _read(self) -> dict[str, Any] | None:
+        """The journal as ``put`` writes it; a corrupt or foreign-shaped file is set aside
+        with one warning (the run measures again), never fatal."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except OSError:
+            return None  # absent: a fresh run
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            set_aside(self.path, f"not valid JSON: {exc}")
+            return None
+        if not (isinstance(data, dict) and isinstance(data.get("fingerprint"), str)
+                and isinstance(data.get("entries"), dict)):
+            set_aside(self.path, "not a tuner journal ({'fingerprint': str, 'entries': {}})")
+            return None
+        return data
 
     def get(self, key: str) -> Any:
         return self.entries.get(key)
 
     def put(self, key: str, value: Any) -> None:
         self.entries[key] = value
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "entries": self.entries}),
-                       encoding="utf-8")
-        tmp.replace(self.path)
+        write_text(self.path, json.dumps({"fingerprint": self.fingerprint,
+                                          "entries": self.entries}))
 
 
 def code_fingerprint() -> str:
@@ -686,7 +704,7 @@ def run_tune(model: nn.Module, tokenizer: Any, params: TuneParams, out: str | Pa
         result = tune_budget(run, params)
     finally:
         run.bar.close()
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_text(out, json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -708,7 +726,7 @@ def run_frontier(model: nn.Module, tokenizer: Any, params: TuneParams,
     finally:
         run.bar.close()
     result = {"frontier": frontier}
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_text(out, json.dumps(result, indent=2) + "\n")
     return result
 
 

@@ -52,6 +52,7 @@ from veloxquant_mlx.models.gguf_tokenizer import (
     build_tokenizer,
     tokenizer_kind,
 )
+from veloxquant_mlx.ops.files import replacing, write_text
 
 __all__ = [
     "BPE_PRE_TOKENIZERS", "CONVERTER_VERSION", "DTYPES", "FAMILIES", "GEMMA_CHAT_TEMPLATE",
@@ -119,12 +120,13 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
         config["quantization"] = quant
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), new, metadata={"format": "mlx"})
+    # Each file whole or not at all: a failed write keeps a folder's previous files.
+    with replacing(out / "model.safetensors") as tmp:
+        mx.save_safetensors(str(tmp), new, metadata={"format": "mlx"})
     build_tokenizer(meta).save_pretrained(str(out))
     if not (out / "tokenizer_config.json").is_file():
         raise GGUFError(f"tokenizer save wrote no tokenizer_config.json in {out}")
-    with open(out / "config.json", "w") as f:
-        json.dump(config, f, indent=2)
+    write_text(out / "config.json", json.dumps(config, indent=2))
     return out
 
 

@@ -30,7 +30,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from veloxquant_mlx.models.gguf_read import GGUFError, check_dtype, scalar
+from veloxquant_mlx.models.gguf_read import (
+    GGUFError,
+    check_dtype,
+    meta_float,
+    meta_int,
+    meta_str,
+    meta_strings,
+    where,
+)
 
 Weights = dict[str, mx.array]
 
@@ -81,19 +89,29 @@ class Meta:
         if v is None:
             if default is ...:
                 raise GGUFError(
-                    f"GGUF metadata lacks '{self.arch}.{key}', needed for the config"
+                    f"{where(self.meta)}: metadata lacks '{self.arch}.{key}', needed for "
+                    "the config"
                 )
             return default
         return v
 
-    def get_int(self, key: str, default: Any = ...) -> int:
-        v = self.get(key, default)
-        if isinstance(v, mx.array):
+    def get_int(self, key: str, default: Any = ..., lo: int = 1) -> Any:
+        """An integer of at least ``lo`` (sizes and counts: 1), or ``default``."""
+        v = self.meta.get(f"{self.arch}.{key}")
+        if isinstance(v, mx.array) and v.ndim >= 1:
             raise GGUFError(
-                f"GGUF '{self.arch}.{key}' is a per-layer array ({v.tolist()}); this "
-                "converter takes one value for all layers"
+                f"{where(self.meta)}: '{self.arch}.{key}' is a per-layer array "
+                f"({v.tolist()}); this converter takes one value for all layers"
             )
-        return int(v)
+        if v is None and default is ...:
+            self.get(key)  # the error that names the missing key
+        return meta_int(self.meta, f"{self.arch}.{key}", default, lo=lo)
+
+    def get_float(self, key: str, default: Any = ...) -> Any:
+        """A finite number, or ``default``."""
+        if self.meta.get(f"{self.arch}.{key}") is None and default is ...:
+            self.get(key)
+        return meta_float(self.meta, f"{self.arch}.{key}", default)
 
 
 @dataclass(frozen=True)
@@ -143,9 +161,13 @@ def base_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
     """The entries every family's mlx_lm ``ModelArgs`` shares, from ``{arch}.*``."""
     m = Meta(meta)
     hidden, heads = m.get_int("embedding_length"), m.get_int("attention.head_count")
-    vocab = meta.get(f"{m.arch}.vocab_size")
+    vocab = m.get_int("vocab_size", None)
     if vocab is None:
-        vocab = len(meta["tokenizer.ggml.tokens"])
+        tokens = meta_strings(meta, "tokenizer.ggml.tokens")
+        if not tokens:
+            raise GGUFError(f"GGUF metadata has neither {m.arch}.vocab_size nor "
+                            "tokenizer.ggml.tokens, which give the vocabulary size")
+        vocab = len(tokens)
     config = {
         "hidden_size": hidden,
         "num_hidden_layers": m.get_int("block_count"),
@@ -153,10 +175,10 @@ def base_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": m.get_int("attention.head_count_kv", heads),
         "head_dim": m.get_int("attention.key_length", hidden // heads),
-        "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "vocab_size": int(scalar(vocab)),
+        "rms_norm_eps": m.get_float("attention.layer_norm_rms_epsilon", 1e-5),
+        "vocab_size": vocab,
         "max_position_embeddings": m.get_int("context_length", 2048),
-        "rope_theta": float(m.get("rope.freq_base", 10000.0)),
+        "rope_theta": m.get_float("rope.freq_base", 10000.0),
         "tie_word_embeddings": tied,
     }
     values = m.get_int("attention.value_length", config["head_dim"])
@@ -167,7 +189,7 @@ def base_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
         )
     for end in ("eos", "bos"):
         if f"tokenizer.ggml.{end}_token_id" in meta:
-            config[f"{end}_token_id"] = int(scalar(meta[f"tokenizer.ggml.{end}_token_id"]))
+            config[f"{end}_token_id"] = meta_int(meta, f"tokenizer.ggml.{end}_token_id")
     return config
 
 
@@ -175,7 +197,7 @@ def _scaling_type(m: Meta) -> str | None:
     """``{arch}.rope.scaling.type``, ``None`` when absent or llama.cpp's "no scaling"."""
     from gguf import RopeScalingType
 
-    kind = m.get("rope.scaling.type", None)
+    kind = meta_str(m.meta, f"{m.arch}.rope.scaling.type")
     return None if kind == RopeScalingType.NONE.value else kind
 
 
@@ -184,7 +206,7 @@ def _rope_scaling(m: Meta) -> dict[str, Any] | None:
     if kind is None:
         return None
     if kind == "linear":
-        return {"type": "linear", "factor": float(m.get("rope.scaling.factor"))}
+        return {"type": "linear", "factor": m.get_float("rope.scaling.factor")}
     raise GGUFError(
         f"GGUF {m.arch}.rope.scaling.type={kind!r} is not supported; allowed: absent, "
         "no scaling, 'linear' (and Llama 3's rope_freqs tensor)"
@@ -251,9 +273,9 @@ def _gemma3_pattern(m: Meta, layers: int) -> int:
     """Layers per global layer: llama.cpp's 6, or the file's per-layer flags."""
     flags = m.get("attention.sliding_window_pattern", None)
     if flags is None:
-        return _GEMMA3_PATTERN if m.get("attention.sliding_window", None) else 1
-    if not isinstance(flags, mx.array):
-        return int(flags)
+        return _GEMMA3_PATTERN if m.get_int("attention.sliding_window", None, lo=0) else 1
+    if not isinstance(flags, mx.array) or flags.ndim != 1:
+        return m.get_int("attention.sliding_window_pattern")
     sliding = [bool(f) for f in flags.tolist()]
     period = next((i + 1 for i, s in enumerate(sliding) if not s), len(sliding) + 1)
     if period > layers or sliding != [(i + 1) % period != 0 for i in range(layers)]:
@@ -266,7 +288,7 @@ def _gemma3_pattern(m: Meta, layers: int) -> int:
 
 def _gemma3_config(m: Meta, config: dict[str, Any]) -> None:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if m.get(key, None):
+        if m.get_float(key, None):
             raise GGUFError(
                 f"GGUF gemma3.{key}={m.get(key)}: mlx_lm's gemma3_text has no "
                 "soft-capping, so the converted model would differ; allowed: absent or 0"
@@ -276,16 +298,18 @@ def _gemma3_config(m: Meta, config: dict[str, Any]) -> None:
     # llama.cpp's own rule: the 27B model (62 layers) scales queries by the width per
     # head; the others by head_dim. A file's attention.scale overrides both.
     scalar_ = config["hidden_size"] / heads if layers == 62 else config["head_dim"]
-    if (scale := m.get("attention.scale", None)) is not None:
-        scalar_ = float(scale) ** -2
+    if (scale := m.get_float("attention.scale", None)) is not None:
+        if scale <= 0:
+            raise GGUFError(f"GGUF gemma3.attention.scale={scale}; expected a positive number")
+        scalar_ = scale**-2
     config.update(
         query_pre_attn_scalar=scalar_,
         sliding_window=m.get_int("attention.sliding_window", config["max_position_embeddings"]),
         sliding_window_pattern=_gemma3_pattern(m, layers),
-        rope_local_base_freq=float(m.get("rope.freq_base_swa", _GEMMA3_LOCAL_BASE)),
+        rope_local_base_freq=m.get_float("rope.freq_base_swa", _GEMMA3_LOCAL_BASE),
         rope_scaling=_rope_scaling(m),  # mlx_lm applies it to the global layers only
     )
-    tokens = m.meta.get("tokenizer.ggml.tokens") or []
+    tokens = meta_strings(m.meta, "tokenizer.ggml.tokens") or []
     if "<end_of_turn>" in tokens and "eos_token_id" in config:
         # A chat turn ends with <end_of_turn>, which generation must stop at too.
         config["eos_token_id"] = [config["eos_token_id"], tokens.index("<end_of_turn>")]
@@ -344,13 +368,28 @@ def _gemma3_undo(weights: Weights, config: dict[str, Any], m: Meta) -> Weights:
     return out
 
 
+def _group_bits(name: str, w: mx.array, scales: mx.array, n_in: int) -> tuple[int, int]:
+    """Group size and bits of an MLX quantized triple whose rows take ``n_in`` inputs
+    (the width the metadata gives): a file whose tensors do not fit it is refused."""
+    groups, words = scales.shape[-1] if scales.ndim else 0, w.shape[-1] if w.ndim else 0
+    group = n_in // groups if groups else 0
+    bits = words * 32 // n_in if n_in else 0
+    if not groups or group * groups != n_in or bits not in (2, 3, 4, 5, 6, 8) \
+            or bits * n_in != words * 32 or w.ndim != 2 or scales.shape[:-1] != w.shape[:-1]:
+        raise GGUFError(
+            f"GGUF tensor {name!r} ({words} packed words, {groups} groups per row) does not "
+            f"fit rows of {n_in} inputs, the width the metadata gives"
+        )
+    return group, bits
+
+
 def _dense(weights: Weights, base: str, n_in: int) -> mx.array:
     """``base``'s weight as a dense array (dequantized from its MLX triple if need be)."""
     w = weights.pop(f"{base}.weight")
     if f"{base}.scales" not in weights:
         return w.astype(mx.float32)
     scales, biases = weights.pop(f"{base}.scales"), weights.pop(f"{base}.biases")
-    group, bits = n_in // scales.shape[-1], w.shape[-1] * 32 // n_in
+    group, bits = _group_bits(base, w, scales, n_in)
     return mx.dequantize(w, scales, biases, group_size=group, bits=bits)
 
 
@@ -365,12 +404,16 @@ def _fuse(weights: Weights, parts: list[str], into: str, n_in: int) -> None:
     triples = all(f"{p}.scales" in weights for p in parts)
     widths = {(weights[f"{p}.weight"].shape[-1], weights[f"{p}.scales"].shape[-1])
               for p in parts} if triples else set()  # fmt: skip
-    if triples and len(widths) == 1:
+    if triples and len(widths) == 1 and all(weights[f"{p}.weight"].ndim == 2 for p in parts):
         # Same bits and group size: quantized rows stack as they are.
         for s in ("weight", "scales", "biases"):
             weights[f"{into}.{s}"] = mx.concatenate([weights.pop(f"{p}.{s}") for p in parts])
         return
-    weights[f"{into}.weight"] = mx.concatenate([_dense(weights, p, n_in) for p in parts])
+    dense = [_dense(weights, p, n_in) for p in parts]
+    if any(d.ndim != 2 or d.shape[-1] != n_in for d in dense):
+        raise GGUFError(f"GGUF tensors {parts} have shapes {[d.shape for d in dense]}; fusing "
+                        f"them into {into!r} takes matrices of {n_in} inputs")
+    weights[f"{into}.weight"] = mx.concatenate(dense)
 
 
 def _phi3_undo(weights: Weights, config: dict[str, Any], m: Meta) -> Weights:
@@ -419,7 +462,7 @@ SUPPORTED_ARCHS = "llama (also Mistral's files), gemma3, qwen2, qwen3, phi3"
 
 def family_of(meta: dict[str, Any], where: str = "GGUF") -> Family:
     """The converter of a file's ``general.architecture``; GGUFError naming it if none."""
-    arch = meta.get("general.architecture")
+    arch = meta_str(meta, "general.architecture")
     if arch not in FAMILIES:
         raise GGUFError(
             f"{where} has architecture {arch!r}; supported: {SUPPORTED_ARCHS} (other "
@@ -467,7 +510,7 @@ def convert_weights(
             continue
         scales, biases = weights[f"{base}.scales"], weights[f"{base}.biases"]
         n_in = _input_width(new.rsplit(".", 2)[-2], config)
-        group, bits = n_in // scales.shape[-1], w.shape[-1] * 32 // n_in
+        group, bits = _group_bits(name, w, scales, n_in)
         if dtype != "keep":
             w = mx.dequantize(w, scales, biases, group_size=group, bits=bits)
             out[new] = w.astype(getattr(mx, dtype))

@@ -12,10 +12,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
-from veloxquant_mlx.models.gguf_read import GGUFError
-from veloxquant_mlx.models.gguf_read import scalar as _scalar
+from veloxquant_mlx.models.gguf_read import (
+    GGUFError,
+    meta_bool,
+    meta_int,
+    meta_numbers,
+    meta_str,
+    meta_strings,
+    where,
+)
 
 # SmolLM2's ChatML, for SmolLM files that carry no tokenizer.chat_template.
 _CHAT_TEMPLATE = (
@@ -94,8 +100,8 @@ def tokenizer_kind(meta: dict[str, Any], where: str = "GGUF") -> TokenizerKind:
     Raises GGUFError naming the file's tokenizer model and pre-tokenizer otherwise:
     a wrong pre-tokenizer gives wrong token ids without any error.
     """
-    model = _scalar(meta.get("tokenizer.ggml.model"))
-    pre = _scalar(meta.get("tokenizer.ggml.pre"))
+    model = meta_str(meta, "tokenizer.ggml.model")
+    pre = meta_str(meta, "tokenizer.ggml.pre")
     if model == "gpt2" and pre in BPE_PRE_TOKENIZERS:
         return BPE_PRE_TOKENIZERS[pre]
     if model == "llama":
@@ -113,9 +119,28 @@ def tokenizer_kind(meta: dict[str, Any], where: str = "GGUF") -> TokenizerKind:
     )
 
 
+def _tokens(meta: dict[str, Any]) -> list[str]:
+    tokens = meta_strings(meta, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise GGUFError(f"{where(meta)}: metadata has no tokenizer.ggml.tokens; the "
+                        "tokenizer needs them")
+    return tokens
+
+
 def _token_types(meta: dict[str, Any], n: int) -> list[int]:
     types = meta.get("tokenizer.ggml.token_type")
-    return types.tolist() if isinstance(types, mx.array) else [1] * n
+    if types is None:
+        return [1] * n
+    if not isinstance(types, mx.array) or types.shape != (n,) or not mx.issubdtype(
+            types.dtype, mx.integer):
+        raise GGUFError(f"{where(meta)}: metadata tokenizer.ggml.token_type is not {n} "
+                        "integers, one per token")
+    return types.tolist()
+
+
+def _token_id(meta: dict[str, Any], key: str, tokens: list[str], default: Any = None) -> Any:
+    """``tokenizer.ggml.{key}_token_id``: an index into ``tokens``, or ``default``."""
+    return meta_int(meta, f"tokenizer.ggml.{key}_token_id", default, hi=len(tokens) - 1)
 
 
 def _sentencepiece_merges(meta: dict[str, Any], where: str) -> list[tuple[str, str]]:
@@ -127,11 +152,10 @@ def _sentencepiece_merges(meta: dict[str, Any], where: str) -> list[tuple[str, s
     (ties go leftmost there, by rank here) and no token can be merged from a character
     that is not a token (there it can, here it falls back to bytes). Raises otherwise.
     """
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    scores = meta.get("tokenizer.ggml.scores")
+    tokens = _tokens(meta)
+    scores = meta_numbers(meta, "tokenizer.ggml.scores", len(tokens))
     if scores is None:
         raise GGUFError(f"{where}: SentencePiece vocabulary without tokenizer.ggml.scores")
-    scores = np.asarray(scores, dtype=np.float64).tolist()
     vocab = set(tokens)
     if missing := [b for b in _BYTE_TOKENS if b not in vocab]:
         raise GGUFError(f"{where}: SentencePiece vocabulary lacks byte token {missing[0]}")
@@ -164,9 +188,9 @@ def _sentencepiece_merges(meta: dict[str, Any], where: str) -> list[tuple[str, s
 
 
 def _bpe_merges(meta: dict[str, Any]) -> list[tuple[str, str]]:
-    merges = meta.get("tokenizer.ggml.merges")
+    merges = meta_strings(meta, "tokenizer.ggml.merges")
     if merges is None:
-        raise GGUFError("GGUF byte-level BPE tokenizer lacks tokenizer.ggml.merges")
+        raise GGUFError(f"{where(meta)}: byte-level BPE tokenizer lacks tokenizer.ggml.merges")
     out = []
     for m in merges:
         # Split as llama.cpp does: at the first space after the first character.
@@ -182,9 +206,9 @@ def _bpe_tokenizer(meta: dict[str, Any], kind: TokenizerKind, vocab: dict[str, i
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     merges = _bpe_merges(meta)
-    tok = Tokenizer(
+    tok = _made(lambda: Tokenizer(
         models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=kind.ignore_merges)
-    )
+    ))
     if kind.split is None:
         first = pre_tokenizers.Digits(individual_digits=True)
     else:
@@ -207,10 +231,11 @@ def _sentencepiece_tokenizer(meta: dict[str, Any], tokens: list[str]) -> Any:
     from tokenizers import Tokenizer, decoders, models, normalizers
 
     merges = _sentencepiece_merges(meta, "GGUF")
-    unk = tokens[int(_scalar(meta.get("tokenizer.ggml.unknown_token_id", 0)))]
+    unk = tokens[_token_id(meta, "unknown", tokens, 0)]
     vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True))
-    prefix = bool(_scalar(meta.get("tokenizer.ggml.add_space_prefix", True)))
+    tok = _made(lambda: Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True)))
+    prefix = meta_bool(meta, "tokenizer.ggml.add_space_prefix", True)
     steps = [normalizers.Prepend("▁")] if prefix else []
     tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
     unsteps = [decoders.Strip(" ", 1, 0)] if prefix else []
@@ -227,13 +252,13 @@ def _framing(meta: dict[str, Any], tokens: list[str], kind: TokenizerKind) -> An
 
     ends: list[tuple[str, int] | None] = []
     for end, default in (("bos", kind.add_bos), ("eos", False)):
-        if not bool(_scalar(meta.get(f"tokenizer.ggml.add_{end}_token", default))):
+        if not meta_bool(meta, f"tokenizer.ggml.add_{end}_token", default):
             ends.append(None)
             continue
-        i = meta.get(f"tokenizer.ggml.{end}_token_id")
+        i = _token_id(meta, end, tokens)
         if i is None:
             raise GGUFError(f"GGUF asks to add a {end} token but has no {end}_token_id")
-        ends.append((tokens[int(_scalar(i))], int(_scalar(i))))
+        ends.append((tokens[i], i))
     steps = [] if kind.sentencepiece else [processors.ByteLevel(trim_offsets=False)]
     if not any(ends):
         return steps[0] if steps else None
@@ -262,7 +287,7 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     kind = tokenizer_kind(meta)
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    tokens = _tokens(meta)
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         dup = next(t for i, t in enumerate(tokens) if vocab[t] != i)
@@ -271,25 +296,37 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
         tok = _sentencepiece_tokenizer(meta, tokens)
     else:
         tok = _bpe_tokenizer(meta, kind, vocab)
-    if (framing := _framing(meta, tokens, kind)) is not None:
+    if (framing := _made(lambda: _framing(meta, tokens, kind))) is not None:
         tok.post_processor = framing
-    _add_whole_tokens(tok, tokens, _token_types(meta, len(tokens)))
+    types = _token_types(meta, len(tokens))
+    _made(lambda: _add_whole_tokens(tok, tokens, types))
 
     def token_of(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return None if i is None else tokens[int(_scalar(i))]
+        i = _token_id(meta, key, tokens)
+        return None if i is None else tokens[i]
 
-    arch = meta.get("general.architecture", "llama")
-    return PreTrainedTokenizerFast(
+    arch = meta_str(meta, "general.architecture", "llama")
+    return _made(lambda: PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=token_of("bos"),
         eos_token=token_of("eos"),
         unk_token=token_of("unknown"),
         pad_token=token_of("padding"),
-        chat_template=meta.get("tokenizer.chat_template") or _fallback_template(arch, kind),
+        chat_template=meta_str(meta, "tokenizer.chat_template") or _fallback_template(arch, kind),
         clean_up_tokenization_spaces=kind.clean_spaces,
-        model_max_length=int(_scalar(meta.get(f"{arch}.context_length", 2048))),
-    )
+        model_max_length=meta_int(meta, f"{arch}.context_length", 2048, lo=1),
+    ))
+
+
+def _made(build: Any) -> Any:
+    """``build()``; the tokenizers library's own errors on odd vocabularies or merges
+    (a merge of a token that is not in the vocabulary...) become a GGUFError."""
+    try:
+        return build()
+    except GGUFError:
+        raise
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception from Rust
+        raise GGUFError(f"GGUF tokenizer metadata cannot be built: {e}") from e
 
 
 def _add_whole_tokens(tok: Any, tokens: list[str], types: list[int]) -> None:

@@ -16,8 +16,9 @@ quantized axis is the output's) and slowly as keys (``q @ K^T`` reduces along it
 choice is made per *shape class* (kind, bits, group size, head dim, side: ``"key"`` or
 ``"value"``): measured once on first use on the CPU, and cached on disk with the MLX
 version and the device (``~/.cache/veloxquant_mlx/kernels.json``, or
-``$VELOXQUANT_CACHE_DIR``); ``veloxquant bench --calibrate-kernels`` measures every
-class up front and ``--kernels`` prints the table. On a GPU backend the default is the
+``$VELOXQUANT_CACHE_DIR``; written whole or not at all, and set aside with a warning,
+then rebuilt, when it is not a file of choices); ``veloxquant bench
+--calibrate-kernels`` measures every class up front and ``--kernels`` prints the table. On a GPU backend the default is the
 fused path without measuring (not measured here: no Apple silicon, and MLX's CUDA wheel
 does not fit the device machine), unless a calibration run on that machine recorded
 otherwise. ``VELOXQUANT_KERNELS=floats|packed`` forces one path everywhere.
@@ -38,6 +39,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.ops import fpcodes as fp
 from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops.files import set_aside, write_text
 
 PATHS = ("floats", "packed")
 KINDS = ("token", "channel", "float")
@@ -92,28 +94,45 @@ def _class_key(kind: str, bits: int, group: int, dim: int, side: str) -> str:
     return f"{device_key()}/{kind}:{bits}:{group}:{dim}:{side}"
 
 
-def _recorded(key: str) -> Choice | None:
+def _valid_entry(entry: Any) -> bool:
+    ms = entry.get("ms", {}) if isinstance(entry, dict) else None
+    return (isinstance(entry, dict) and entry.get("path") in PATHS and isinstance(ms, dict)
+            and all(isinstance(k, str) and isinstance(v, (int, float))
+                    and not isinstance(v, bool) for k, v in ms.items()))
+
+
+def _load_choices() -> dict[str, Any]:
+    """The recorded choices; a file that is not what ``_record`` writes (corrupt JSON, a
+    foreign shape) is set aside with one warning and rebuilt, never fatal."""
+    path = _cache_file()
     try:
-        entry = json.loads(_cache_file().read_text()).get(key)
-    except (OSError, ValueError):
-        return None
-    if not entry or entry.get("path") not in PATHS:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return {}  # absent or unreadable: measured again
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        set_aside(path, f"not valid JSON: {exc}")
+        return {}
+    if not isinstance(data, dict) or not all(_valid_entry(e) for e in data.values()):
+        set_aside(path, "not a JSON object of {class: {path, ms}} kernel choices")
+        return {}
+    return data
+
+
+def _recorded(key: str) -> Choice | None:
+    entry = _load_choices().get(key)
+    if entry is None:
         return None
     return Choice(entry["path"], "recorded", dict(entry.get("ms", {})))
 
 
 def _record(key: str, choice: Choice) -> None:
-    path = _cache_file()
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        data = {}  # an unreadable file is rewritten, never trusted
+    data = _load_choices()
     data[key] = {"path": choice.path, "ms": choice.ms}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)  # atomic: concurrent processes never read half a file
+        # Whole or not at all: concurrent processes never read half a file.
+        write_text(_cache_file(), json.dumps(data, indent=1, sort_keys=True))
     except OSError:
         pass  # a read-only home: the choice still holds for this process
 

@@ -82,10 +82,12 @@ class Placed:
 
 def _load() -> tuple[Any, str]:
     """The extension and why it is not usable (empty when it is)."""
-    try:  # built in place by scripts/build_native.sh
+    try:  # built by setup.py: into the wheel, or in place by pip install -e
         from veloxquant_mlx.ops import _native as ext  # type: ignore[attr-defined]
     except ImportError:
-        return None, "not built: bash scripts/build_native.sh"
+        return None, "not built (no C++ compiler or CMake at install, or the build " \
+                     "failed; pip install -v shows why): install them, then reinstall " \
+                     "from source (pip install -e . in a checkout)"
     # An MLX built with another nanobind ABI would refuse mx.array arguments.
     try:
         one = mx.ones((1, 1, 1, 4))
@@ -94,8 +96,8 @@ def _load() -> tuple[Any, str]:
             KIND["token"], 8, 4, 1, 0, 0, 0, 0, *[0] * 5,
             KIND["dense"], 0, 0, 0, 0, 0, 0, 0, *[0] * 5], [1, 1], 1))
     except (TypeError, ValueError, RuntimeError) as e:
-        return None, f"built for another MLX ({e.__class__.__name__}): rebuild with " \
-                     "bash scripts/build_native.sh"
+        return None, f"built for another MLX ({e.__class__.__name__}): reinstall from " \
+                     "source to rebuild it (pip install -e . in a checkout)"
     return ext, ""
 
 

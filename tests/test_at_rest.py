@@ -1,0 +1,230 @@
+"""The at-rest cache format: transform coding round trip, exact ends, bit budget,
+hostile files, and restores into other methods' caches."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import make_prompt_cache
+
+from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
+from veloxquant_mlx.apps.at_rest import (
+    AtRestError,
+    calibrate_at_rest,
+    load_at_rest,
+    read_at_rest,
+    restore_caches,
+    save_at_rest,
+)
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.ops.transform import allocate_bits, dequantize, pca_basis, quantize
+from veloxquant_mlx.testing.tiny import tiny_model
+
+N_TOKENS, SINKS, WINDOW = 160, 4, 16
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny llama, its calibration, and dense caches of a 160-token history."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VELOXQUANT_CACHE_DIR", str(tmp_path_factory.mktemp("calib")))
+    model = tiny_model("llama")
+    rng = np.random.default_rng(1)
+    cal = calibrate_at_rest(model, rng.integers(0, 128, 192).tolist())
+    tokens = rng.integers(0, 128, N_TOKENS).tolist()
+    caches = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    yield model, cal, caches, rng.integers(0, 128, 8).tolist(), tokens
+    mp.undo()
+
+
+def _kv(caches):
+    return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
+
+
+def _rel(a: mx.array, b: mx.array) -> float:
+    return float(mx.linalg.norm(a - b) / mx.linalg.norm(b))
+
+
+def test_high_bits_round_trip_is_tight(setup, tmp_path) -> None:
+    model, cal, caches, *_ = setup
+    path = tmp_path / "c.safetensors"
+    stats = save_at_rest(path, model, caches, bits=8, sinks=SINKS, window=WINDOW)
+    assert stats["tokens"] == N_TOKENS and stats["bytes"] == path.stat().st_size
+    restored = read_at_rest(path, model)
+    # 8-bit Gaussian-step quantization of decorrelated coefficients: ~0.9% error.
+    for (k, v), (k0, v0) in zip(restored, _kv(caches)):
+        assert _rel(k, k0) < 0.015 and _rel(v, v0) < 0.015
+    # Fewer bits: larger error, smaller file (the budget is really spent).
+    small = save_at_rest(path, model, caches, bits=1, sinks=SINKS, window=WINDOW)
+    assert small["bytes"] < 0.5 * stats["bytes"]
+    k1, _ = read_at_rest(path, model)[0]
+    assert 0.05 < _rel(k1, _kv(caches)[0][0]) < 0.9
+
+
+def test_joint_head_basis_round_trip(setup, tmp_path) -> None:
+    model, _, caches, *_ = setup
+    joint = calibrate_at_rest(model, list(range(128)) * 2, save=False, joint_heads=True)
+    assert joint.arrays["0.k.basis"].shape == (1, 64, 64)  # 2 heads x 32 side by side
+    path = tmp_path / "c.safetensors"
+    save_at_rest(path, model, caches, bits=8, sinks=SINKS, window=WINDOW, calibration=joint)
+    for (k, v), (k0, v0) in zip(read_at_rest(path, model, calibration=joint), _kv(caches)):
+        assert _rel(k, k0) < 0.015 and _rel(v, v0) < 0.015
+    with pytest.raises(AtRestError, match="calibration"):
+        read_at_rest(path, model)  # coded with another calibration than the saved one
+
+
+def test_sinks_and_window_exact(setup, tmp_path) -> None:
+    model, _, caches, *_ = setup
+    path = tmp_path / "c.safetensors"
+    save_at_rest(path, model, caches, bits=0.5, sinks=SINKS, window=WINDOW)
+    for (k, v), (k0, v0) in zip(read_at_rest(path, model), _kv(caches)):
+        for got, ref in ((k, k0), (v, v0)):
+            exact = ref.astype(mx.float16).astype(mx.float32)
+            assert mx.array_equal(got[:, :, :SINKS], exact[:, :, :SINKS])
+            assert mx.array_equal(got[:, :, -WINDOW:], exact[:, :, -WINDOW:])
+            assert _rel(got[:, :, SINKS:-WINDOW], ref[:, :, SINKS:-WINDOW]) > 0.05
+
+
+def test_saved_bits_respect_budget(setup, tmp_path) -> None:
+    model, _, caches, *_ = setup
+    path = tmp_path / "c.safetensors"
+    for bits in (0.5, 1.5, 3):
+        save_at_rest(path, model, caches, bits=bits, sinks=SINKS, window=WINDOW)
+        arrays = mx.load(str(path))
+        for name, a in arrays.items():
+            if name.endswith(".bits"):
+                assert int(np.asarray(a, dtype=np.int64).sum()) == round(bits * a.size)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.0, 1e3), min_size=1, max_size=40), st.integers(0, 400))
+def test_allocation_budget_and_order(var: list[float], total: int) -> None:
+    v = np.array(var)
+    bits = allocate_bits(v, total)
+    assert bits.sum() <= total and bits.min() >= 0 and bits.max() <= 8
+    assert bits[v == 0].sum() == 0  # a constant coefficient gets nothing
+    live = int((v > 0).sum())
+    assert bits.sum() == min(total, 8 * live)  # the budget is spent while it can be
+    order = np.argsort(-v, kind="stable")
+    assert np.all(np.diff(bits[order]) <= 0)  # more variance, never fewer bits
+    # Water-filling: moving one bit from any coefficient to any other never lowers the
+    # distortion sum(v * 4**-bits); the last bit given gains at least the next one would.
+    given_gain = np.where(bits > 0, v * 4.0 ** -(bits - 1), np.inf)
+    next_gain = np.where(bits < 8, v * 4.0 ** -bits, 0.0)
+    assert given_gain.min() >= next_gain.max() * (1 - 1e-9)
+
+
+def test_quantizer_and_basis_round_trip() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(500, 16)) @ rng.normal(size=(16, 16))
+    mean, basis, var = pca_basis(x)
+    assert np.allclose(basis.T @ basis, np.eye(16), atol=1e-4)
+    assert np.all(np.diff(var) <= 1e-6)
+    c = (x - mean) @ basis
+    bits = np.full(16, 6)
+    back = dequantize(quantize(c, bits, c.std(0)), bits, c.std(0), 500)
+    assert np.linalg.norm(back - c) / np.linalg.norm(c) < 0.04
+
+
+def test_restore_into_two_methods(setup, tmp_path) -> None:
+    model, _, caches, follow, _ = setup
+    path = tmp_path / "c.safetensors"
+    save_at_rest(path, model, caches, bits=8, sinks=SINKS, window=WINDOW)
+    ref = model(mx.array(follow)[None], cache=restore_caches(model, _kv(caches)))
+    for config in (None, KVCacheConfig(method="kivi", bits=4), KVCacheConfig(method="xkv")):
+        restored = load_at_rest(path, model, config)
+        assert all(c.offset == N_TOKENS for c in restored)
+        # As if prefilled from the original K/V into the same method.
+        direct = restore_caches(model, _kv(caches), config)
+        a = model(mx.array(follow)[None], cache=restored)
+        b = model(mx.array(follow)[None], cache=direct)
+        assert float(mx.abs(a - b).max()) < 0.05 * float(mx.abs(ref).max())
+
+
+
+def test_restored_cache_holds_what_a_prefill_holds(setup) -> None:
+    """The last chunk is coded at the end of a restore, as a prefill's attention codes it."""
+    model, _, caches, *_ = setup
+    config = KVCacheConfig(method="kivi", bits=4)
+    restored = restore_caches(model, _kv(caches), config)
+    direct = KVCacheBuilder.for_model(model, config)
+    model(mx.array(setup[4])[None], cache=direct)
+    mx.eval([c.state for c in direct])
+    assert cache_stats(restored)["held_bytes"] == cache_stats(direct)["held_bytes"]
+    assert cache_stats(restored)["held_bytes"] < 0.6 * cache_stats(restored)["fp16_bytes"]
+
+
+def test_input_caching_method_is_refused(setup, tmp_path) -> None:
+    model, _, caches, *_ = setup
+    path = tmp_path / "c.safetensors"
+    save_at_rest(path, model, caches, bits=2, sinks=SINKS, window=WINDOW)
+    with pytest.raises(AtRestError, match="cannot be restored from keys and values"):
+        load_at_rest(path, model, KVCacheConfig(method="xquant"))
+
+
+def _rewrite(path, mutate) -> None:
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    header = json.loads(meta["veloxquant_at_rest"])
+    mutate(arrays, header)
+    mx.save_safetensors(str(path), arrays, {"veloxquant_at_rest": json.dumps(header)})
+
+
+def _fix_crc(arrays, header) -> None:
+    import zlib
+
+    header["crc"] = {n: zlib.crc32(np.asarray(a).tobytes()) for n, a in arrays.items()}
+
+
+@pytest.mark.parametrize("case,match", [
+    ("truncated", "not a readable at-rest cache"),
+    ("flipped", "checksum mismatch"),
+    ("shapes", "layer shapes"),
+    ("bits_shape", r"0\.k\.bits.*expected"),
+    ("codes_short", r"code bytes, expected|corrupt compressed"),
+    ("bits_high", "bits above"),
+    ("tokens", "non-negative integers"),
+    ("format", "is not 'veloxquant-at-rest/1'"),
+])
+def test_hostile_files_get_named_errors(setup, tmp_path, case: str, match: str) -> None:
+    model, _, caches, *_ = setup
+    path = tmp_path / "c.safetensors"
+    save_at_rest(path, model, caches, bits=2, sinks=SINKS, window=WINDOW)
+    if case == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif case == "flipped":
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF  # inside the last array's bytes
+        path.write_bytes(bytes(data))
+    else:
+        def mutate(arrays, header):
+            if case == "shapes":
+                header["shapes"][0][0] += 1
+            elif case == "bits_shape":
+                arrays["0.k.bits"] = arrays["0.k.bits"][:1]
+            elif case == "codes_short":
+                arrays["1.v.codes"] = arrays["1.v.codes"][:-3]
+            elif case == "bits_high":
+                arrays["0.v.bits"] = mx.full(arrays["0.v.bits"].shape, 9, mx.uint8)
+            elif case == "tokens":
+                header["tokens"] = -1
+            else:
+                header["format"] = "something-else/9"
+            _fix_crc(arrays, header)
+        _rewrite(path, mutate)
+    with pytest.raises(AtRestError, match=match):
+        read_at_rest(path, model)
+
+
+def test_other_model_is_refused(setup, tmp_path) -> None:
+    model, _, caches, *_ = setup
+    path = tmp_path / "c.safetensors"
+    save_at_rest(path, model, caches, bits=2, sinks=SINKS, window=WINDOW)
+    with pytest.raises(AtRestError, match="was saved from model"):
+        read_at_rest(path, tiny_model("llama", seed=3), calibration=setup[1])

@@ -1,0 +1,459 @@
+"""Saved caches at rest: transform-coded, entropy-coded, restored into any method's caches.
+
+A cache at rest needs no random access, only a fast restore, so it is coded as KVTC
+(arXiv 2511.01815) codes it: per layer and KV head a PCA basis calibrated once per model
+(keys before RoPE, which is undone exactly), bits per coefficient by reverse
+water-filling on the coefficients' variance to a bits-per-value budget (0 bits drops a
+coefficient), a uniform quantizer, and zstandard over the codes. The first ``sinks`` and
+the last ``window`` tokens are kept in float16. ``load_at_rest`` decodes dense keys and
+values and feeds them, chunk by chunk and layer by layer as a prefill does, to fresh
+caches built for any ``KVCacheConfig``. See docs/methods/at-rest.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import zstandard
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from veloxquant_mlx.adapter.builder import KVCacheBuilder
+from veloxquant_mlx.apps.prompt_cache import PromptCacheError
+from veloxquant_mlx.cache.base import LayerInfo
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.ops.files import replacing
+from veloxquant_mlx.ops.kernels import CACHE_ENV
+from veloxquant_mlx.ops.transform import (
+    MAX_BITS,
+    allocate_bits,
+    dequantize,
+    pack_codes,
+    pca_basis,
+    quantize,
+    unpack_codes,
+)
+
+__all__ = ["AtRestError", "Calibration", "calibrate_at_rest", "calibration_path",
+           "load_at_rest", "load_calibration", "model_identity", "save_at_rest"]
+
+FORMAT = "veloxquant-at-rest/1"
+_KEY = "veloxquant_at_rest"
+_KINDS = ("k", "v")
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+_ZSTD_LEVEL = 3  # level 3 is within a few % of level 19 on quantizer codes, ~10x faster
+
+
+class AtRestError(PromptCacheError):
+    """An at-rest cache file (or its calibration) is corrupt or does not fit the model."""
+
+
+# ------------------------------------------------------------------ model identity
+def model_identity(model: nn.Module) -> str:
+    """A short hash of every parameter's name, shape and dtype and of the bytes of the
+    first and last parameters: a calibration holds only for the model it came from."""
+    h = hashlib.sha256()
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    for name, a in params:
+        h.update(f"{name}:{tuple(a.shape)}:{a.dtype};".encode())
+    for _, a in params[:2] + params[-2:]:
+        flat = a.reshape(-1)[: 1 << 18]
+        h.update(np.asarray(flat.astype(mx.float32) if flat.dtype == mx.bfloat16
+                            else flat).tobytes())
+    return h.hexdigest()[:20]
+
+
+def _slots(model: nn.Module) -> list[LayerInfo]:
+    infos = KVCacheBuilder.layer_infos(model)
+    if not infos or any(i is None for i in infos):
+        raise AtRestError("at-rest caches need a model whose every cache slot is a KV "
+                          f"cache its attention uses; slots without one: "
+                          f"{[n for n, i in enumerate(infos) if i is None]}")
+    return infos  # type: ignore[return-value]
+
+
+def _rope(x: mx.array, info: LayerInfo, offset: int, inverse: bool) -> mx.array:
+    """Apply (or undo: a negated scale turns every angle back) the layer's RoPE."""
+    if info.rope_dims is None:
+        return x  # a rope this module cannot invert: keys are coded as they are held
+    scale = -info.rope_scale if inverse else info.rope_scale
+    return mx.fast.rope(x, info.rope_dims, traditional=info.rope_traditional,
+                        base=info.rope_base, scale=scale, offset=offset)
+
+
+def _dense(cache: Any, slot: int) -> tuple[mx.array, mx.array]:
+    """The keys/values ``[1, H, N, D]`` a layer cache holds, in its dtype."""
+    if getattr(cache, "evicts", False):  # its keys no longer sit at positions 0..N-1
+        raise AtRestError(f"layer {slot}: a {type(cache).__name__} has evicted tokens; "
+                          "at-rest caches save whole histories (restore into it instead)")
+    if hasattr(cache, "dense_kv"):
+        k, v = cache.dense_kv()
+    elif isinstance(getattr(cache, "keys", None), mx.array) and \
+            type(cache).__name__ == "KVCache":
+        k, v = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+    else:
+        raise AtRestError(f"layer {slot}: a {type(cache).__name__} has no dense keys and "
+                          "values to save (expected mlx_lm's KVCache or a veloxquant cache)")
+    if k.ndim != 4 or k.shape[0] != 1:
+        raise AtRestError(f"layer {slot}: keys of shape {tuple(k.shape)}; at-rest caches "
+                          "hold one sequence ([1, heads, tokens, head_dim])")
+    if k.dtype not in _DTYPES.values():
+        raise AtRestError(f"layer {slot}: keys of dtype {k.dtype}; expected one of "
+                          f"{sorted(_DTYPES)}")
+    return k, v
+
+
+# ------------------------------------------------------------------ calibration
+@dataclass
+class Calibration:
+    """Per slot and kind (``"k"``/``"v"``): mean ``[G, W]`` and basis ``[G, W, W]``, one
+    per KV head (G = H, W = D) or one over the layer's heads side by side (G = 1,
+    W = H * D)."""
+
+    identity: str
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def digest(self) -> str:
+        crc = 0
+        for name in sorted(self.arrays):
+            crc = zlib.crc32(name.encode() + self.arrays[name].tobytes(), crc)
+        return f"{self.identity}-{crc:08x}"
+
+
+def calibration_path(model: nn.Module) -> Path:
+    """Where this machine keeps the model's calibration (beside the kernel choices)."""
+    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "veloxquant_mlx"
+    return Path(root) / model_identity(model) / "at_rest_calibration.safetensors"
+
+
+def _groups(x: np.ndarray, g: int) -> np.ndarray:
+    """``[H, N, D]`` as ``g`` groups ``[g, N, H * D / g]``: per head, or heads side by side."""
+    H, N, D = x.shape
+    return x if g == H else x.transpose(1, 0, 2).reshape(1, N, H * D)
+
+
+def _heads(y: np.ndarray, H: int, D: int) -> np.ndarray:
+    """``_groups`` undone: ``[H, N, D]``."""
+    return y if y.shape[0] == H else y.reshape(y.shape[1], H, D).transpose(1, 0, 2)
+
+
+def _calibrate_from(model: nn.Module, layers: list[tuple[mx.array, mx.array]],
+                    joint_heads: bool = False) -> Calibration:
+    infos = _slots(model)
+    arrays: dict[str, np.ndarray] = {}
+    for slot, ((k, v), info) in enumerate(zip(layers, infos)):
+        k = _rope(k, info, 0, inverse=True)
+        for kind, x in zip(_KINDS, (k, v)):
+            x = np.asarray(x[0])  # [H, N, D]
+            x = _groups(x, 1 if joint_heads else x.shape[0])
+            parts = [pca_basis(x[h]) for h in range(x.shape[0])]
+            arrays[f"{slot}.{kind}.mean"] = np.stack([p[0] for p in parts])
+            arrays[f"{slot}.{kind}.basis"] = np.stack([p[1] for p in parts])
+    return Calibration(model_identity(model), arrays)
+
+
+def calibrate_at_rest(model: nn.Module, tokens: list[int], chunk: int = 512,
+                      save: bool = True, joint_heads: bool = False) -> Calibration:
+    """PCA bases of the keys (before RoPE) and values ``model`` makes over ``tokens``
+    (a short calibration text, a few hundred tokens or more), per KV head or (with
+    ``joint_heads``) one per layer over all its heads; saved atomically to
+    ``calibration_path(model)`` when ``save``."""
+    if len(tokens) < 16:
+        raise ValueError(f"calibrate_at_rest: {len(tokens)} tokens; at least 16 expected")
+    caches = make_prompt_cache(model)
+    for s in range(0, len(tokens), chunk):
+        model(mx.array(tokens[s: s + chunk])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    cal = _calibrate_from(model, [_dense(c, i) for i, c in enumerate(caches)], joint_heads)
+    if save:
+        path = calibration_path(model)
+        with replacing(path) as tmp:
+            mx.save_safetensors(str(tmp), {n: mx.array(a) for n, a in cal.arrays.items()},
+                                {_KEY: json.dumps({"identity": cal.identity})})
+    return cal
+
+
+def load_calibration(model: nn.Module) -> Calibration | None:
+    """The saved calibration of ``model`` on this machine, or None when there is none."""
+    path = calibration_path(model)
+    if not path.is_file():
+        return None
+    try:
+        arrays, meta = mx.load(str(path), return_metadata=True)
+        identity = json.loads(meta[_KEY])["identity"]
+    except Exception as exc:  # a corrupt file: named, with where it is
+        raise AtRestError(f"calibration {str(path)!r} is unreadable ({exc}); delete it "
+                          "to calibrate again") from exc
+    if identity != model_identity(model):
+        raise AtRestError(f"calibration {str(path)!r} is for model {identity}, not "
+                          f"{model_identity(model)}")
+    return Calibration(identity, {n: np.asarray(a) for n, a in arrays.items()})
+
+
+def _check_calibration(cal: Calibration, infos: list[LayerInfo]) -> None:
+    """Every slot's bases fit its heads: ``[G, W, W]`` with G = H (per head) or 1."""
+    for slot, info in enumerate(infos):
+        for kind, D in zip(_KINDS, (info.head_dim, info.v_head_dim)):
+            H = info.n_kv_heads
+            basis, mean = cal.arrays.get(f"{slot}.{kind}.basis"), cal.arrays.get(f"{slot}.{kind}.mean")
+            ok = [(H, D, D), (1, H * D, H * D)]
+            if basis is None or mean is None or basis.shape not in ok or \
+                    mean.shape != basis.shape[:2]:
+                raise AtRestError(f"calibration {cal.identity}: layer {slot} {kind} basis is "
+                                  f"{None if basis is None else basis.shape}; expected one of "
+                                  f"{ok} with a matching mean")
+
+
+# ------------------------------------------------------------------ encoding
+def _encode_kind(x: np.ndarray, mean: np.ndarray, basis: np.ndarray,
+                 bits: float) -> tuple[dict[str, np.ndarray], int]:
+    """Codes of a body ``[H, N, D]``: per group its coefficients, one bit allocation over
+    all groups' coefficients; returns the arrays and the raw code bytes."""
+    x = _groups(x, basis.shape[0])
+    H, N, D = x.shape  # groups, tokens, group width from here on
+    coeffs = [(x[h] - mean[h]) @ basis[h] for h in range(H)]
+    # The calibration's mean is not this history's: centre each coefficient on its own.
+    center = np.stack([c.mean(axis=0) if N else np.zeros(D) for c in coeffs]).astype(np.float32)
+    coeffs = [c - center[h] for h, c in enumerate(coeffs)]
+    std = np.stack([c.std(axis=0) if N else np.zeros(D) for c in coeffs]).astype(np.float32)
+    alloc = allocate_bits(std.reshape(-1) ** 2, int(round(bits * H * D))).reshape(H, D)
+    codes = np.concatenate([quantize(coeffs[h], alloc[h], std[h]) for h in range(H)])
+    raw = pack_codes(codes, alloc[alloc > 0])
+    blob = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(raw.tobytes())
+    return {"bits": alloc.astype(np.uint8), "std": std, "center": center,
+            "codes": np.frombuffer(blob, dtype=np.uint8)}, raw.size
+
+
+def _encode_layer(k: mx.array, v: mx.array, info: LayerInfo, slot: int, cal: Calibration,
+                  bits: float, sinks: int, window: int) -> dict[str, np.ndarray]:
+    N = k.shape[2]
+    s = min(sinks, N)
+    w = min(window, N - s)
+    out: dict[str, np.ndarray] = {}
+    for kind, x in zip(_KINDS, (k, v)):
+        out[f"{slot}.{kind}.sinks"] = np.asarray(x[0, :, :s].astype(mx.float16))
+        out[f"{slot}.{kind}.window"] = np.asarray(x[0, :, N - w:].astype(mx.float16))
+        body = x[:, :, s: N - w]
+        if kind == "k":
+            body = _rope(body, info, s, inverse=True)
+        arrays, _ = _encode_kind(np.asarray(body[0]), cal.arrays[f"{slot}.{kind}.mean"],
+                                 cal.arrays[f"{slot}.{kind}.basis"], bits)
+        out.update({f"{slot}.{kind}.{n}": a for n, a in arrays.items()})
+    return out
+
+
+def save_at_rest(path: str | Path, model: nn.Module, caches: list[Any], bits: float = 1.0,
+                 sinks: int = 4, window: int = 128,
+                 calibration: Calibration | None = None) -> dict[str, Any]:
+    """Write ``caches`` (one sequence, any method's) to ``path`` in the at-rest format.
+
+    ``bits`` is the budget in bits per coded value (tokens between the sinks and the
+    window); ``calibration`` defaults to the model's saved one, else one made from these
+    caches (and saved). Returns stats: tokens, bytes on disk, fp16 bytes, ratio, seconds.
+    """
+    if not 0 <= bits <= MAX_BITS or sinks < 0 or window < 0:
+        raise ValueError(f"save_at_rest: bits {bits} must be in 0..{MAX_BITS}, sinks {sinks} "
+                         f"and window {window} >= 0")
+    t0 = time.perf_counter()
+    infos = _slots(model)
+    if len(caches) != len(infos):
+        raise AtRestError(f"{len(caches)} caches for a model with {len(infos)} cache slots")
+    dense = [_dense(c, i) for i, c in enumerate(caches)]
+    dtype = str(dense[0][0].dtype).split(".")[-1] if dense else "float32"
+    dense = [(k.astype(mx.float32), v.astype(mx.float32)) for k, v in dense]
+    n = dense[0][0].shape[2]
+    if any(k.shape[2] != n for k, _ in dense):
+        raise AtRestError("layers hold different token counts; at-rest caches need every "
+                          "layer to hold the whole history (no sliding or evicting layers)")
+    cal = calibration or load_calibration(model)
+    if cal is None:
+        cal = _calibrate_from(model, dense)
+        with replacing(calibration_path(model)) as tmp:
+            mx.save_safetensors(str(tmp), {m: mx.array(a) for m, a in cal.arrays.items()},
+                                {_KEY: json.dumps({"identity": cal.identity})})
+    _check_calibration(cal, infos)
+    arrays: dict[str, np.ndarray] = {}
+    for slot, ((k, v), info) in enumerate(zip(dense, infos)):
+        arrays.update(_encode_layer(k, v, info, slot, cal, bits, sinks, window))
+    header = {"format": FORMAT, "identity": model_identity(model),
+              "calibration": cal.digest, "tokens": n, "sinks": sinks, "window": window,
+              "bits": bits, "dtype": dtype, "shapes": [[i.n_kv_heads, i.head_dim, i.v_head_dim] for i in infos],
+              "crc": {m: zlib.crc32(a.tobytes()) for m, a in arrays.items()}}
+    with replacing(path) as tmp:
+        mx.save_safetensors(str(tmp), {m: mx.array(a) for m, a in arrays.items()},
+                            {_KEY: json.dumps(header)})
+    size = Path(path).stat().st_size
+    fp16 = sum(2 * (k.size + v.size) for k, v in dense)
+    return {"tokens": n, "bytes": size, "fp16_bytes": fp16, "ratio": fp16 / max(size, 1),
+            "bits_per_value_on_disk": 8 * size / max(fp16 // 2, 1),
+            "seconds": time.perf_counter() - t0}
+
+
+# ------------------------------------------------------------------ reading
+def _read(path: str | Path, model: nn.Module,
+          cal: Calibration) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    path = str(path)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"at-rest cache file {path!r} does not exist")
+    try:
+        loaded, meta = mx.load(path, return_metadata=True)
+        header = json.loads(meta[_KEY])
+    except Exception as exc:  # mlx raises RuntimeError/ValueError on bad files
+        raise AtRestError(f"{path!r} is not a readable at-rest cache (truncated, corrupt "
+                          f"or another kind of file): {exc!r:.200}") from exc
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise AtRestError(f"{path!r}: format {header.get('format') if isinstance(header, dict) else header!r:.60} "
+                          f"is not {FORMAT!r}")
+    if header.get("identity") != model_identity(model):
+        raise AtRestError(f"{path!r} was saved from model {header.get('identity')!r}, not "
+                          f"this one ({model_identity(model)})")
+    if header.get("calibration") != cal.digest:
+        raise AtRestError(f"{path!r} was coded with calibration {header.get('calibration')!r}; "
+                          f"this machine has {cal.digest!r} (copy the model's "
+                          "at_rest_calibration.safetensors with the file)")
+    arrays = {n: np.asarray(a) for n, a in loaded.items()}
+    crc = header.get("crc")
+    if not isinstance(crc, dict) or set(crc) != set(arrays):
+        raise AtRestError(f"{path!r}: the arrays in the file are not those its header lists")
+    for name, a in arrays.items():
+        if zlib.crc32(a.tobytes()) != crc[name]:
+            raise AtRestError(f"{path!r}: array {name!r} is corrupt (checksum mismatch)")
+    return arrays, header
+
+
+def _expect(arrays: dict[str, np.ndarray], name: str, shape: tuple[int, ...],
+            dtype: Any) -> np.ndarray:
+    a = arrays.get(name)
+    if a is None or a.shape != shape or a.dtype != np.dtype(dtype):
+        got = "missing" if a is None else f"{a.shape} {a.dtype}"
+        raise AtRestError(f"array {name!r} is {got}; expected {shape} {np.dtype(dtype)}")
+    return a
+
+
+def _check_header(header: dict[str, Any], infos: list[LayerInfo]) -> tuple[int, int, int]:
+    n, s, w = header.get("tokens"), header.get("sinks"), header.get("window")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 31
+               for x in (n, s, w)):
+        raise AtRestError(f"header tokens/sinks/window {n!r}/{s!r}/{w!r} are not "
+                          "non-negative integers")
+    shapes = [[i.n_kv_heads, i.head_dim, i.v_head_dim] for i in infos]
+    if header.get("shapes") != shapes:
+        raise AtRestError(f"header layer shapes {header.get('shapes')!r:.120} do not match "
+                          f"the model's {shapes!r:.120}")
+    s = min(s, n)
+    return n, s, min(w, n - s)
+
+
+def _decode_kind(arrays: dict[str, np.ndarray], cal: Calibration, pre: str, H: int, D: int,
+                 nb: int) -> np.ndarray:
+    """The body ``[H, nb, D]`` of one kind of one layer from its codes."""
+    out_heads = (H, D)
+    mean, basis = cal.arrays[f"{pre}.mean"], cal.arrays[f"{pre}.basis"]
+    H, D = basis.shape[:2]  # the calibration's groups and their width
+    bits = _expect(arrays, f"{pre}.bits", (H, D), np.uint8)
+    std = _expect(arrays, f"{pre}.std", (H, D), np.float32)
+    center = _expect(arrays, f"{pre}.center", (H, D), np.float32)
+    if bits.max(initial=0) > MAX_BITS or not (np.isfinite(std).all() and
+                                              np.isfinite(center).all()):
+        raise AtRestError(f"{pre}: bits above {MAX_BITS} or non-finite scales")
+    blob = arrays.get(f"{pre}.codes")
+    if blob is None or blob.dtype != np.uint8 or blob.ndim != 1:
+        raise AtRestError(f"array {pre}.codes is missing or not a uint8 byte string")
+    want = int(bits.astype(np.int64).sum()) * ((nb + 7) // 8)
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(blob.tobytes(), max_output_size=want)
+    except zstandard.ZstdError as exc:
+        raise AtRestError(f"{pre}.codes: corrupt compressed codes ({exc})") from exc
+    if len(raw) != want:
+        raise AtRestError(f"{pre}.codes: {len(raw)} code bytes, expected {want}")
+    widths = bits[bits > 0].astype(np.int64)
+    codes = unpack_codes(np.frombuffer(raw, dtype=np.uint8).reshape(int(widths.sum()), -1),
+                         widths, nb)
+    out, at = np.empty((H, nb, D), dtype=np.float32), 0
+    for h in range(H):
+        k = int((bits[h] > 0).sum())
+        c = dequantize(codes[at: at + k], bits[h], std[h], nb)
+        at += k
+        out[h] = (c + center[h]) @ basis[h].T + mean[h]
+    return _heads(out, *out_heads)
+
+
+def _decode_layer(arrays: dict[str, np.ndarray], cal: Calibration, slot: int, info: LayerInfo,
+                  n: int, s: int, w: int) -> list[mx.array]:
+    out = []
+    for kind, D in zip(_KINDS, (info.head_dim, info.v_head_dim)):
+        pre, H = f"{slot}.{kind}", info.n_kv_heads
+        sinks = _expect(arrays, f"{pre}.sinks", (H, s, D), np.float16)
+        win = _expect(arrays, f"{pre}.window", (H, w, D), np.float16)
+        body = mx.array(_decode_kind(arrays, cal, pre, H, D, n - s - w))[None]
+        if kind == "k":
+            body = _rope(body, info, s, inverse=False)
+        out.append(mx.concatenate([mx.array(sinks)[None].astype(mx.float32), body,
+                                   mx.array(win)[None].astype(mx.float32)], axis=2))
+    return out
+
+
+def read_at_rest(path: str | Path, model: nn.Module,
+                 calibration: Calibration | None = None) -> list[tuple[mx.array, mx.array]]:
+    """The dense keys/values ``[1, H, N, D]`` (float32) per layer of an at-rest file."""
+    cal = calibration or load_calibration(model)
+    if cal is None:
+        raise AtRestError(f"no at-rest calibration for this model at "
+                          f"{str(calibration_path(model))!r}; copy it with the file")
+    infos = _slots(model)
+    _check_calibration(cal, infos)
+    arrays, header = _read(path, model, cal)
+    n, s, w = _check_header(header, infos)
+    dtype = _DTYPES.get(header.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise AtRestError(f"{str(path)!r}: cache dtype {header.get('dtype')!r:.40} is not "
+                          f"one of {sorted(_DTYPES)}")
+    try:
+        return [tuple(x.astype(dtype) for x in _decode_layer(arrays, cal, i, info, n, s, w))
+                for i, info in enumerate(infos)]  # type: ignore[misc]
+    except AtRestError as exc:
+        raise AtRestError(f"{str(path)!r}: {exc}") from exc
+
+
+def restore_caches(model: nn.Module, layers: list[tuple[mx.array, mx.array]],
+                   config: KVCacheConfig | None = None, chunk: int = 512) -> list[Any]:
+    """Fresh caches for ``config`` (None: mlx_lm's own) fed ``layers``' keys/values
+    chunk by chunk, every layer per chunk in model order, as a prefill feeds them."""
+    caches = make_prompt_cache(model) if config is None else \
+        KVCacheBuilder.for_model(model, config)
+    for i, cache in enumerate(caches):
+        if getattr(cache, "hooks_module", False):
+            KVCacheBuilder.detach(model)
+            raise AtRestError(f"layer {i}: method {cache.method!r} caches the layer's input, "
+                              "not its keys and values: it cannot be restored from keys and "
+                              "values (prefill the history again)")
+    n = layers[0][0].shape[2] if layers else 0
+    for s in range(0, n, chunk):
+        for cache, (k, v) in zip(caches, layers):
+            cache.update_and_fetch(k[:, :, s: s + chunk], v[:, :, s: s + chunk])
+        mx.eval([c.state for c in caches])
+    for cache in caches:
+        # A prefill's attention codes what it attended (``commit``); no attention ran
+        # here, so code the last chunk now, or it would sit in full precision.
+        if callable(getattr(cache, "commit", None)):
+            cache.commit()
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def load_at_rest(path: str | Path, model: nn.Module, config: KVCacheConfig | None = None,
+                 calibration: Calibration | None = None, chunk: int = 512) -> list[Any]:
+    """Caches of ``config``'s method (None: mlx_lm's ``KVCache``) holding the history of
+    an at-rest file, as if prefilled from its decoded keys/values."""
+    return restore_caches(model, read_at_rest(path, model, calibration), config, chunk)
