@@ -13,9 +13,10 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from veloxquant_mlx import cli
+from veloxquant_mlx import KVCacheConfig, cli
 from veloxquant_mlx.apps import doctor
 from veloxquant_mlx.apps.generate import mlx_lm_parser
+from veloxquant_mlx.options import ConfigError
 from veloxquant_mlx.testing.tiny import tiny_config, tiny_model
 
 WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"] + [
@@ -297,3 +298,45 @@ def test_doctor_flags_a_version_outside_the_declared_range(monkeypatch: pytest.M
     monkeypatch.setattr(doctor, "declared_ranges", lambda: ranges)
     assert doctor.run_doctor(with_model=False) == 1
     assert doctor.OUTSIDE in capsys.readouterr().out
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in cli.build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+# A value per mlx_lm.server flag that takes one (the rest are switches).
+SERVER_VALUES = {"--model": "m", "--adapter-path": "a", "--host": "127.0.0.1", "--port": "8081",
+                 "--allowed-origins": "http://localhost:3000", "--draft-model": "d",
+                 "--num-draft-tokens": "2", "--log-level": "INFO", "--chat-template": "t",
+                 "--temp": "0.5", "--top-p": "0.9", "--top-k": "5", "--min-p": "0.1",
+                 "--max-tokens": "9", "--chat-template-args": '{"enable_thinking": false}',
+                 "--decode-concurrency": "2", "--prompt-concurrency": "2",
+                 "--prefill-step-size": "64", "--prompt-cache-size": "3",
+                 "--prompt-cache-bytes": "1GB", "--kv-bits": "4", "--kv-group-size": "32",
+                 "--quantized-kv-start": "0"}
+
+
+def test_serve_accepts_every_flag_of_mlx_lm_server() -> None:
+    from veloxquant_mlx.apps.server_flags import mlx_lm_server_flags, refuse_unsupported
+
+    flags = mlx_lm_server_flags()
+    assert len(flags) > 20 and "--top-p" in flags  # the reader found mlx_lm's parser
+    parser = _serve_parser()
+    for flag in flags:
+        argv = [flag] + ([SERVER_VALUES[flag]] if flag in SERVER_VALUES else [])
+        args = parser.parse_args(argv)
+        if flag in ("--adapter-path", "--draft-model", "--kv-bits", "--pipeline"):
+            with pytest.raises(ConfigError, match=flag):
+                refuse_unsupported(args)
+        else:
+            refuse_unsupported(args)
+    args = parser.parse_args(["--top-p", "0.9", "--allowed-origins", "http://a:1", "http://b:2",
+                              "--kv", "kivi:bits=4"])
+    from veloxquant_mlx.apps.server import allowed_origins, build_server_args
+    from veloxquant_mlx.apps.server_flags import kv_config
+
+    assert build_server_args(args).top_p == 0.9
+    assert allowed_origins(args) == ["http://a:1", "http://b:2"]
+    assert kv_config(args, KVCacheConfig()).to_string() == "kivi:bits=4"

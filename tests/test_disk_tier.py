@@ -202,13 +202,14 @@ def test_a_crash_while_writing_leaves_the_index_and_other_files_loadable(
         pool.disk.put(None, kept[3], pool.disk.codec.load(
             tmp_path / next(iter(pool.disk.entries.values()))["file"], model)[0])
     monkeypatch.undo()
-    (tmp_path / ".x.123-abc.tmp.safetensors").write_bytes(b"half")
+    (tmp_path / f".{'ab' * 16}.123-0123456789ab.tmp.safetensors").write_bytes(b"half")
+    (tmp_path / "model.safetensors").write_bytes(b"someone else's")
     pool.disk.close()
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert len(files) == 5, files  # index, two files, the orphan, the temporary
+    assert len(files) == 6, files  # index, two files, the orphan, the temporary, another's
     after = pool_over(tmp_path, model, config)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [INDEX] + [e["file"] for e in after.disk.entries.values()])
+        [INDEX, "model.safetensors"] + [e["file"] for e in after.disk.entries.values()])
     assert len(after.disk.entries) == 2
     answer, reused, _ = turn(after, gen, [kept[1] + [9]])
     assert reused == len(kept[1])
@@ -308,3 +309,36 @@ def _main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1:])
+
+
+def test_a_restarted_server_serves_the_next_turn_from_disk(tmp_path: Path) -> None:
+    from test_server import VOCAB, write_tiny_model
+
+    from veloxquant_mlx.eval import loadtest
+
+    write_tiny_model(tmp_path)
+    extra = ["--prefill-step-size", "32", "--prompt-cache-dir", str(tmp_path / "kept")]
+    history = [{"role": "user", "content": loadtest.words(60, VOCAB, 2)}]
+    with loadtest.ServerProcess("kivi:bits=4", "64MB", str(tmp_path), extra,
+                                tmp_path / "serve.log") as server:
+        status, first = loadtest.post_json(server.port, {"messages": history, "max_tokens": 8})
+        assert status == 200, first
+    # Stopped (SIGTERM): its kept cache was written at shutdown.
+    assert len(json_index(tmp_path / "kept")) == 1, (tmp_path / "serve.log").read_text()
+    history += [first["choices"][0]["message"],
+                {"role": "user", "content": loadtest.words(6, VOCAB, 3)}]
+    with loadtest.ServerProcess("kivi:bits=4", "64MB", str(tmp_path), extra,
+                                tmp_path / "serve2.log") as server:
+        status, second = loadtest.post_json(server.port, {"messages": history,
+                                                          "max_tokens": 8})
+        assert status == 200, second
+        snap = loadtest.get_json(server.port, "/limits")[1]["prompt_cache"]["counters"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"]
+    assert snap["from_disk"] == 1
+
+
+def json_index(folder: Path) -> dict[str, Any]:
+    import json
+
+    return json.loads((folder / INDEX).read_text())["entries"]

@@ -108,8 +108,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from veloxquant_mlx.apps.server import serve
+    from veloxquant_mlx.apps.server_flags import kv_config, refuse_unsupported
 
-    serve(args, config_from_args(args))
+    refuse_unsupported(args)
+    serve(args, kv_config(args, config_from_args(args)))
     return 0
 
 
@@ -455,8 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("demo", help="dense vs compressed on the embedded model")
-    p.add_argument("--method", dest="method_spec", default="turboquant",
-                   help="method spec, e.g. 'turboquant' or 'kivi:bits=2'")
+    p.add_argument("--method", dest="method_spec", default=None,
+                   help="method spec, e.g. 'kivi:bits=2' (default: the recommended method)")
     p.add_argument("--context", type=int, default=4096, help="tokens of context to measure")
     p.set_defaults(func=cmd_demo)
 
@@ -467,10 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     # serve subcommand
     from veloxquant_mlx.apps.server import add_serve_arguments
+    from veloxquant_mlx.apps.server_flags import add_mlx_lm_server_arguments
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (mlx_lm.server) "
                        "with compressed caches")
     add_serve_arguments(p)
+    add_mlx_lm_server_arguments(p)
     add_method_arguments(p)
     p.set_defaults(func=cmd_serve)
 

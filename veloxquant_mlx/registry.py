@@ -50,6 +50,12 @@ def reference() -> str:
     return next(name for name, cls in methods().items() if cls.family == "reference")
 
 
+def recommended() -> str:
+    """The near-lossless method the demo and the README recommend (the one method class
+    that declares ``recommended``)."""
+    return next(name for name, cls in methods().items() if cls.recommended)
+
+
 def list_methods() -> list[dict[str, Any]]:
     """Each method's name, family, paper, what it stores and its option names."""
     return [

@@ -1,13 +1,14 @@
 """Saved caches at rest: transform-coded, entropy-coded, restored into any method's caches.
 
 A cache at rest needs no random access, only a fast restore, so it is coded as KVTC
-(arXiv 2511.01815) codes it: per layer and KV head a PCA basis calibrated once per model
-(keys before RoPE, which is undone exactly), bits per coefficient by reverse
-water-filling on the coefficients' variance to a bits-per-value budget (0 bits drops a
-coefficient), a uniform quantizer, and zstandard over the codes. The first ``sinks`` and
-the last ``window`` tokens are kept in float16. ``load_at_rest`` decodes dense keys and
-values and feeds them, chunk by chunk and layer by layer as a prefill does, to fresh
-caches built for any ``KVCacheConfig``. See docs/methods/at-rest.md.
+(arXiv 2511.01815) codes it: per layer a PCA basis (its KV heads side by side, or one per
+head) calibrated once per model (keys before RoPE, which is undone exactly), bits per
+coefficient by reverse water-filling on the coefficients' variance to a bits-per-value
+budget (0 bits drops a coefficient), a uniform quantizer with a fitted scale per
+coefficient, bit-packed codes and zstandard over them. The first ``sinks`` and the last
+``window`` tokens are kept in float16. ``load_at_rest`` decodes dense keys and values and
+feeds them, chunk by chunk and layer by layer as a prefill does, to fresh caches built
+for any ``KVCacheConfig``. See docs/methods/at-rest.md.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder
 from veloxquant_mlx.apps.prompt_cache import PromptCacheError
-from veloxquant_mlx.cache.base import LayerInfo
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.ops.files import replacing
 from veloxquant_mlx.ops.kernels import CACHE_ENV
@@ -38,6 +39,7 @@ from veloxquant_mlx.ops.transform import (
     MAX_BITS,
     allocate_bits,
     dequantize,
+    fit_scales,
     pack_codes,
     pca_basis,
     quantize,
@@ -45,13 +47,14 @@ from veloxquant_mlx.ops.transform import (
 )
 
 __all__ = ["AtRestError", "Calibration", "calibrate_at_rest", "calibration_path",
-           "load_at_rest", "load_calibration", "model_identity", "save_at_rest"]
+           "load_at_rest", "load_calibration", "model_identity", "read_at_rest",
+           "restore_caches", "save_at_rest"]
 
 FORMAT = "veloxquant-at-rest/1"
 _KEY = "veloxquant_at_rest"
 _KINDS = ("k", "v")
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-_ZSTD_LEVEL = 3  # level 3 is within a few % of level 19 on quantizer codes, ~10x faster
+_ZSTD_LEVEL = 3  # zstandard's default: the bit-packed planes barely compress at any level
 
 
 class AtRestError(PromptCacheError):
@@ -149,7 +152,7 @@ def _heads(y: np.ndarray, H: int, D: int) -> np.ndarray:
 
 
 def _calibrate_from(model: nn.Module, layers: list[tuple[mx.array, mx.array]],
-                    joint_heads: bool = False) -> Calibration:
+                    joint_heads: bool = True) -> Calibration:
     infos = _slots(model)
     arrays: dict[str, np.ndarray] = {}
     for slot, ((k, v), info) in enumerate(zip(layers, infos)):
@@ -164,11 +167,11 @@ def _calibrate_from(model: nn.Module, layers: list[tuple[mx.array, mx.array]],
 
 
 def calibrate_at_rest(model: nn.Module, tokens: list[int], chunk: int = 512,
-                      save: bool = True, joint_heads: bool = False) -> Calibration:
+                      save: bool = True, joint_heads: bool = True) -> Calibration:
     """PCA bases of the keys (before RoPE) and values ``model`` makes over ``tokens``
-    (a short calibration text, a few hundred tokens or more), per KV head or (with
-    ``joint_heads``) one per layer over all its heads; saved atomically to
-    ``calibration_path(model)`` when ``save``."""
+    (a short calibration text, a few hundred tokens or more): one basis per layer over
+    all its KV heads side by side (``joint_heads``, measured better on SmolLM2) or one
+    per head; saved atomically to ``calibration_path(model)`` when ``save``."""
     if len(tokens) < 16:
         raise ValueError(f"calibrate_at_rest: {len(tokens)} tokens; at least 16 expected")
     caches = make_prompt_cache(model)
@@ -228,6 +231,8 @@ def _encode_kind(x: np.ndarray, mean: np.ndarray, basis: np.ndarray,
     coeffs = [c - center[h] for h, c in enumerate(coeffs)]
     std = np.stack([c.std(axis=0) if N else np.zeros(D) for c in coeffs]).astype(np.float32)
     alloc = allocate_bits(std.reshape(-1) ** 2, int(round(bits * H * D))).reshape(H, D)
+    # Stored as "std": the scale the quantizer's step is a multiple of (fitted per column).
+    std = np.stack([fit_scales(coeffs[h], alloc[h], std[h]) for h in range(H)])
     codes = np.concatenate([quantize(coeffs[h], alloc[h], std[h]) for h in range(H)])
     raw = pack_codes(codes, alloc[alloc > 0])
     blob = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(raw.tobytes())
@@ -341,7 +346,8 @@ def _expect(arrays: dict[str, np.ndarray], name: str, shape: tuple[int, ...],
     return a
 
 
-def _check_header(header: dict[str, Any], infos: list[LayerInfo]) -> tuple[int, int, int]:
+def _check_header(header: dict[str, Any], infos: list[LayerInfo],
+                  limit: int) -> tuple[int, int, int]:
     n, s, w = header.get("tokens"), header.get("sinks"), header.get("window")
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 31
                for x in (n, s, w)):
@@ -351,8 +357,18 @@ def _check_header(header: dict[str, Any], infos: list[LayerInfo]) -> tuple[int, 
     if header.get("shapes") != shapes:
         raise AtRestError(f"header layer shapes {header.get('shapes')!r:.120} do not match "
                           f"the model's {shapes!r:.120}")
+    if n > limit:  # a forged count would make the restore allocate without bound
+        raise AtRestError(f"header says {n} tokens; this model takes at most {limit}")
     s = min(s, n)
     return n, s, min(w, n - s)
+
+
+def _max_tokens(model: nn.Module) -> int:
+    """The model's context length where its config states one, else 2**20 tokens."""
+    args = getattr(model, "args", None)
+    n = getattr(args, "max_position_embeddings", None) or \
+        getattr(getattr(args, "text_config", None), "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else 1 << 20
 
 
 def _decode_kind(arrays: dict[str, np.ndarray], cal: Calibration, pre: str, H: int, D: int,
@@ -414,7 +430,7 @@ def read_at_rest(path: str | Path, model: nn.Module,
     infos = _slots(model)
     _check_calibration(cal, infos)
     arrays, header = _read(path, model, cal)
-    n, s, w = _check_header(header, infos)
+    n, s, w = _check_header(header, infos, _max_tokens(model))
     dtype = _DTYPES.get(header.get("dtype"))  # type: ignore[arg-type]
     if dtype is None:
         raise AtRestError(f"{str(path)!r}: cache dtype {header.get('dtype')!r:.40} is not "
@@ -446,7 +462,7 @@ def restore_caches(model: nn.Module, layers: list[tuple[mx.array, mx.array]],
     for cache in caches:
         # A prefill's attention codes what it attended (``commit``); no attention ran
         # here, so code the last chunk now, or it would sit in full precision.
-        if callable(getattr(cache, "commit", None)):
+        if isinstance(cache, CompressedCache):
             cache.commit()
     mx.eval([c.state for c in caches])
     return caches

@@ -22,10 +22,9 @@ from veloxquant_mlx.adapter.retained import (
 )
 from veloxquant_mlx.apps.server_limits import probe_tokens
 from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.registry import recommended
 
 QUESTION = "What is the capital of France?"
-# The near-lossless setting the README recommends.
-RECOMMENDED = "turboquant"
 
 
 def answer(model: nn.Module, tokenizer: Any, config: KVCacheConfig,
@@ -75,11 +74,12 @@ def print_memory_table(rows: list[dict[str, Any]]) -> None:
           "caches are float32 on a CPU, hence real/fp16 = 2.)")
 
 
-def run_demo(method: str = RECOMMENDED, context: int = 4096) -> int:
-    """Print the answers of dense and ``method``, then the memory table."""
+def run_demo(method: str | None = None, context: int = 4096) -> int:
+    """Print the answers of dense and ``method`` (default: the recommended one), then
+    the memory table."""
     from veloxquant_mlx.models import load
 
-    config = KVCacheConfig.from_string(method)
+    config = KVCacheConfig.from_string(method or recommended())
     dense = KVCacheConfig()
     print("Loading the embedded model (SmolLM2-135M-Instruct)...", flush=True)
     model, tokenizer = load()

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import queue
+import re
 import threading
 import time
 from pathlib import Path
@@ -85,6 +86,10 @@ def salt_of(model_key: Any) -> str | None:
     return None
 
 
+# A cached prefix's file, or the temporary ``ops.files.replacing`` writes it through.
+_OURS = re.compile(r"(\.)?[0-9a-f]{32}(\.[0-9]+-[0-9a-f]{12}\.tmp)?\.safetensors")
+
+
 def _name(salt: str | None, tokens: list[int]) -> str:
     return hashlib.sha256(json.dumps([salt, tokens]).encode()).hexdigest()[:32]
 
@@ -144,8 +149,8 @@ class DiskTier:
         the two writes) and temporaries left by a killed write; log other models' entries."""
         known = {e["file"] for e in self.entries.values()}
         for path in self.folder.iterdir():
-            stray = path.name.startswith(".") and ".tmp" in path.name
-            if stray or (path.suffix == SUFFIX and path.name not in known):
+            # Only names this tier writes: a folder shared with other files keeps them.
+            if _OURS.fullmatch(path.name) and path.name not in known:
                 path.unlink(missing_ok=True)
         for key, e in list(self.entries.items()):
             if not (self.folder / e["file"]).is_file():

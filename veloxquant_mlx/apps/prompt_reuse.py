@@ -113,11 +113,11 @@ def layer_prefix(cache: Any, keep: int) -> int:
     declared numerics (``cache.numerics``) say; a layer whose numerics depend on more
     than each token (merges, bases, scores) is exact only while it compressed nothing."""
     cache = getattr(cache, "inner", cache)  # a sliding ring that never dropped
-    own = getattr(cache, "reusable_prefix", None)
-    if own is not None:
-        return min(keep, int(own(keep)))
     if not isinstance(cache, CompressedCache):
         return keep  # mlx_lm's own caches hold tokens as received
+    own = cache.reusable_prefix(keep)
+    if own is not None:
+        return min(keep, int(own))
     held = cache.offset
     if keep >= held:
         return keep

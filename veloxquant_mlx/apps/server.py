@@ -35,8 +35,10 @@ import gc
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 from typing import Any
 
 import mlx.core as mx
@@ -104,6 +106,12 @@ def _provider_class() -> type:
     return VeloxModelProvider
 
 
+def allowed_origins(args: argparse.Namespace) -> list[str]:
+    """The origins given by ``--allow-origin`` and mlx_lm's ``--allowed-origins``."""
+    return [*(getattr(args, "allow_origin", None) or []),
+            *(getattr(args, "allowed_origins", None) or [])]
+
+
 def build_server_args(args: argparse.Namespace) -> argparse.Namespace:
     """mlx_lm.server's options with its defaults, filled from our parsed flags."""
     from mlx_lm.server import DEFAULT_QUANTIZED_KV_START
@@ -111,11 +119,14 @@ def build_server_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(
         model=args.model, adapter_path=None, host=args.host, port=args.port,
         # Not read: the handler's own CORS (only --allow-origin's origins) replaces it.
-        allowed_origins=list(getattr(args, "allow_origin", None) or []),
+        allowed_origins=allowed_origins(args),
         draft_model=None, num_draft_tokens=3,
-        trust_remote_code=False, log_level=args.log_level, chat_template="",
-        use_default_chat_template=False, temp=args.temp, top_p=1.0, top_k=0, min_p=0.0,
-        max_tokens=args.max_tokens, chat_template_args={},
+        trust_remote_code=getattr(args, "trust_remote_code", False),
+        log_level=args.log_level, chat_template=getattr(args, "chat_template", ""),
+        use_default_chat_template=getattr(args, "use_default_chat_template", False),
+        temp=args.temp, top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", 0),
+        min_p=getattr(args, "min_p", 0.0), max_tokens=args.max_tokens,
+        chat_template_args=getattr(args, "chat_template_args", {}),
         decode_concurrency=args.decode_concurrency,
         prompt_concurrency=args.prompt_concurrency, prefill_step_size=args.prefill_step_size,
         # mlx_lm trims its cache to --prompt-cache-bytes minus the running requests'
@@ -167,7 +178,7 @@ def serve(args: argparse.Namespace, config: KVCacheConfig) -> None:
           file=sys.stderr, flush=True)
     server_class, handler_class = bind_http(
         max_connections=getattr(args, "max_connections", MAX_CONNECTIONS),
-        policy=HostPolicy.local(args.host, args.port, getattr(args, "allow_origin", None) or ()),
+        policy=HostPolicy.local(args.host, args.port, allowed_origins(args)),
         max_request_bytes=getattr(args, "max_request_bytes", MAX_REQUEST_BYTES),
         request_timeout=getattr(args, "request_timeout", REQUEST_TIMEOUT_S))
     try:
@@ -190,6 +201,13 @@ def _open_disk(args: argparse.Namespace, pool: CompressedPromptCache, provider: 
     pool.disk = DiskTier(folder, getattr(args, "prompt_cache_disk_bytes", None), identity,
                          config.to_string())
     pool.disk.periodic = pool.persist_kept
+    # A service manager stops with SIGTERM: end as on Ctrl-C, so the kept caches are saved.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _reused_entries(args: argparse.Namespace) -> int:

@@ -5,16 +5,10 @@ A cache is one object per layer that mlx_lm's models call exactly like its own
 arrays, ``offset``, ``make_mask``, ``state``/``meta_state``, ``trim``.
 
 Required (abstract): ``update_and_fetch``, ``held_arrays``, ``accounted_bytes`` and
-``state`` (property and setter). Optional capabilities, with the defaults below:
-
-- ``attends = True`` + ``attend(queries, scale, mask)``: the cache runs attention over
-  its compressed form; the attention routing (``adapter.mlx_lm``) calls it, and
-  ``update_and_fetch`` returns only the new chunk, never a reconstruction.
-- ``dense_kv()``: a transient dense copy for diagnostics (reconstruction error).
-- ``is_trimmable()`` / ``trim(n)``: drop tokens from the end (default: not trimmable).
-- ``supports_batching`` / ``merge``: mlx_lm batches (default: per-sequence caches in a
-  ``BatchedCache``).
-- ``meta_fields``: attribute names that ``meta_state`` saves and restores, in order.
+``state``. Optional, with the defaults below: ``attends`` + ``attend`` (attention over
+the compressed form, reached through ``adapter.mlx_lm``'s routing; ``update_and_fetch``
+then returns only the new chunk), ``dense_kv``, ``trim``, ``merge`` (batches),
+``meta_fields`` (what ``meta_state`` saves) and the declared capabilities below.
 """
 
 from __future__ import annotations
@@ -120,30 +114,26 @@ class CompressedCache(StepCost, _BaseCache, ABC):
     stores: ClassVar[str] = ""
     cross_layer: ClassVar[bool] = False
     Options: ClassVar[type[MethodOptions]] = MethodOptions
-    # Capabilities.
+    # Capabilities. ``recommended``: the near-lossless setting the demo and README show.
+    recommended: ClassVar[bool] = False
     attends: ClassVar[bool] = False
     supports_batching: ClassVar[bool] = True
-    # Attention meets the stored keys/values only in dot products, so the builder may
-    # rotate them (``KVCacheConfig.rotate``, ``cache.rotated``).
+    # Keys/values meet attention only in dot products: the builder may rotate them.
     rotatable: ClassVar[bool] = False
     meta_fields: ClassVar[tuple[str, ...]] = ("offset", "batch_size")
     # How a meta field is parsed back from its string (default: int).
     meta_types: ClassVar[dict[str, Any]] = {}
 
     # ---- declared capabilities ----
-    # All that shared code (adapter, apps, eval, rings, rotation, tests) may know of a
-    # method: it never names one nor reads its option fields (tests/test_capabilities.py).
+    # All shared code may know of a method (tests/test_capabilities.py).
     # Takes over the owning module's call with a hook of its own (XQuant's ``update_x``).
     hooks_module: ClassVar[bool] = False
     min_layers: ClassVar[int] = 1  # fewest layers it compresses (a pair needs two)
-    # It holds fewer tokens than it has seen (eviction): layers that attend by
-    # themselves over its dense view are refused (positions may follow the key count).
+    # Holds fewer tokens than it saw (eviction): self-attending layers are refused.
     evicts: ClassVar[bool] = False
-    # This layer's cache holds what the method keeps once per model (a rotation);
-    # ``after_build`` gives it to one layer.
+    # This layer holds what the method keeps once per model (``after_build``: a rotation).
     owns_rotation: bool = False
-    # The cache drops its oldest tokens exactly (``drop_oldest``, in multiples of
-    # ``ring_alignment``), so a sliding-window ring (``cache.sliding``) may wrap it.
+    # Drops its oldest tokens exactly (``drop_oldest``): a sliding ring may wrap it.
     drops_front: ClassVar[bool] = False
 
     @classmethod
@@ -154,6 +144,16 @@ class CompressedCache(StepCost, _BaseCache, ABC):
     def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
                     ) -> mx.array | None:
         """One decode call over a batch's rows (``cache.batch``), or None: per row."""
+        return None
+
+    def commit(self) -> None:
+        """Code what the last step attended in full precision (default: nothing)."""
+
+    def check_state(self) -> None:
+        """Restored arrays outside the stored form, checked (``cache.restore_check``)."""
+
+    def reusable_prefix(self, keep: int) -> int | None:
+        """Longest exact cut ``<= keep`` for reuse; None: as ``stored_numerics`` says."""
         return None
 
     def drop_oldest(self, n: int) -> None:

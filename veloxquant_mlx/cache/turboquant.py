@@ -107,6 +107,7 @@ class TurboQuantCache(StoredFormCache):
     paper = "TurboQuant, Zandieh et al., 2025 (arXiv 2504.19874)"
     stores = "rotated K/V: codebook or affine codes + norm scales, fp16 sinks and window"
     Options = TurboQuantOptions
+    recommended = True  # near-lossless at 0.29 of fp16 (BENCHMARKS.md)
     attends = True
     attend_dtype = mx.float32
     meta_fields = ("offset", "batch_size")

@@ -115,11 +115,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--predict", type=int, default=128)
     p.add_argument("--calibrate", type=int, default=1024, help="calibration tokens")
-    p.add_argument("--bits", default="0.5,1,1.5,2,3")
-    p.add_argument("--windows", default="128,32")
+    p.add_argument("--bits", default="0.5,1,2,3,4")
+    p.add_argument("--windows", default="32")
     p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--joint-heads", action="store_true",
-                   help="one basis per layer over all its KV heads (default: per head)")
+    p.add_argument("--per-head", action="store_true",
+                   help="one basis per KV head (default: one per layer over all its heads)")
     p.add_argument("--live", default="kivi:bits=4,turboquant",
                    help="live methods to compare ('' for none)")
     p.add_argument("--out", default=None)
@@ -140,14 +140,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cal_ids, conv = ids[: a.calibrate], ids[len(ids) // 2:][: a.context + a.predict]
     history, follow = conv[: a.context], conv[a.context:]
     t0 = time.perf_counter()
-    cal = calibrate_at_rest(model, cal_ids, save=False, joint_heads=a.joint_heads)
+    cal = calibrate_at_rest(model, cal_ids, save=False, joint_heads=not a.per_head)
     calibrate_s = time.perf_counter() - t0
     dense = make_prompt_cache(model)
     prefill_s = prefill(model, history, dense)
     ref = next_token_scores(model, copy.deepcopy(dense), follow)
     report: dict[str, Any] = {
         "context": a.context, "predict": a.predict, "calibrate_tokens": a.calibrate,
-        "joint_heads": a.joint_heads,
+        "joint_heads": not a.per_head,
         "calibrate_s": round(calibrate_s, 2), "reprefill_s": round(prefill_s, 2),
     }
     print(json.dumps(report), flush=True)  # a long run killed later still reports these

@@ -4,8 +4,10 @@ On a CPU, the decode path of :func:`ops.attention.attend_parts` costs about a hu
 MLX ops per layer over a compressed cache, each a few microseconds and a pass over
 memory. The extension does the whole decode attention of a layer in one op: scores of
 every key part, softmax, product with every value part, the codes unpacked a few words
-at a time (no float copy of a store). ``scripts/build_native.sh`` builds it (``make
-test`` and ``make demo`` do, through ``scripts/setup.sh``); without it, or with
+at a time (no float copy of a store). ``pip install`` builds it through
+``mlx.extension`` (``setup.py``; ``make test`` and ``make demo`` do, through
+``scripts/setup.sh``, and ``python setup.py build_ext --inplace`` rebuilds it in a
+checkout); without it, or with
 ``VELOXQUANT_NATIVE=0``, attention runs on MLX's ops as before: the same results within
 float tolerance, slower on a CPU. It is a CPU kernel: on a GPU backend MLX's ops run.
 """

@@ -101,3 +101,23 @@ def unpack_codes(planes: np.ndarray, widths: np.ndarray, n: int) -> np.ndarray:
     plane = np.concatenate([np.arange(w) for w in widths])
     starts = np.concatenate([[0], np.cumsum(widths)[:-1]])
     return np.add.reduceat(bits << plane[:, None], starts, axis=0).astype(np.uint8)
+
+
+# Multiples of the standard deviation tried as a coefficient's quantizer scale: heavy
+# tails (key outliers) clip at the Gaussian step, and a clipped outlier costs most.
+SCALE_CHOICES: tuple[float, ...] = (1.0, 1.25, 1.6, 2.0, 3.0)
+
+
+def fit_scales(coeffs: np.ndarray, bits: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Per coefficient the scale (``std`` times one of ``SCALE_CHOICES``) whose
+    ``quantize``/``dequantize`` round trip has the least squared error on ``coeffs``."""
+    scales = np.asarray(std, dtype=np.float32).copy()
+    for j in np.flatnonzero(bits > 0):
+        col, one = coeffs[:, j:j + 1], bits[j:j + 1]
+        errs = []
+        for m in SCALE_CHOICES:
+            s = np.array([std[j] * m], dtype=np.float32)
+            back = dequantize(quantize(col, one, s), one, s, col.shape[0])
+            errs.append(float(np.sum((back - col) ** 2)))
+        scales[j] = std[j] * SCALE_CHOICES[int(np.argmin(errs))]
+    return scales
