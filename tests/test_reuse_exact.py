@@ -20,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import trim_prompt_cache
+from test_server_reuse import KEY, Provider, words
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.adapter.prefill import prefill
@@ -28,7 +29,6 @@ from veloxquant_mlx.cache.base import LayerInfo
 from veloxquant_mlx.registry import get_method
 from veloxquant_mlx.testing.tiny import tiny_model
 
-KEY = ("tiny", None, None)
 CHUNK = 16  # the prompt step: a shared prefix of whole chunks rounds as a fresh one
 # (shared prefix, kept tail) -> tokens reused, per method, as docs/usage.md states:
 # a tail of 30 puts coded tokens past the cut; a tail of 1 cuts inside the residual
@@ -42,18 +42,11 @@ REUSED = {
 }
 
 
-class Provider:
-    def __init__(self, model: Any) -> None:
-        self.model, self.model_key = model, KEY
 
 
 @pytest.fixture(scope="module")
 def model() -> Any:
     return tiny_model("llama", seed=5)
-
-
-def words(n: int, seed: int) -> list[int]:
-    return [(i * 31 + seed * 17) % 120 + 1 for i in range(n)]
 
 
 def kept_cache(model: Any, config: KVCacheConfig, tokens: list[int]) -> list[Any]:
