@@ -459,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="dense vs compressed on the embedded model")
     p.add_argument("--method", dest="method_spec", default=None,
                    help="method spec, e.g. 'kivi:bits=2' (default: the recommended method)")
-    p.add_argument("--context", type=int, default=4096, help="tokens of context to measure")
+    p.add_argument("--context", type=int, default=2048, help="tokens of context to measure")
     p.set_defaults(func=cmd_demo)
 
     # eval / bench subcommands

@@ -74,7 +74,7 @@ def print_memory_table(rows: list[dict[str, Any]]) -> None:
           "caches are float32 on a CPU, hence real/fp16 = 2.)")
 
 
-def run_demo(method: str | None = None, context: int = 4096) -> int:
+def run_demo(method: str | None = None, context: int = 2048) -> int:
     """Print the answers of dense and ``method`` (default: the recommended one), then
     the memory table."""
     from veloxquant_mlx.models import load
@@ -88,6 +88,6 @@ def run_demo(method: str | None = None, context: int = 4096) -> int:
         print(f"[{cfg.to_string()}] A: {answer(model, tokenizer, cfg)}", flush=True)
 
     print(f"\nKV-cache memory at {context} tokens of context (all {len(model.layers)} "
-          "layers; about a minute)...", flush=True)
-    print_memory_table(memory_table(model, [dense, "mlx_lm:q4", config], context))
+          "layers; two or three minutes on a CPU)...", flush=True)
+    print_memory_table(memory_table(model, [dense, config], context))
     return 0
