@@ -5,42 +5,26 @@ on a tiny model folder, and ``doctor``."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx_lm
 import pytest
+from test_server import write_tiny_model
 
 from veloxquant_mlx import KVCacheConfig, cli
 from veloxquant_mlx.apps import doctor
 from veloxquant_mlx.apps.generate import mlx_lm_parser
 from veloxquant_mlx.options import ConfigError
-from veloxquant_mlx.testing.tiny import tiny_config, tiny_model
-
-WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"] + [
-    f"w{i}" for i in range(122)]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+from veloxquant_mlx.testing.tiny import tiny_model
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny llama with a word-level chat tokenizer, in mlx_lm's folder format."""
-    from mlx_lm.utils import save_config, save_model
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     out = tmp_path_factory.mktemp("tiny-llama")
-    save_model(out, tiny_model("llama"))
-    save_config(tiny_config("llama"), out / "config.json")
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-        "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE}))
+    write_tiny_model(out)
     return out
 
 

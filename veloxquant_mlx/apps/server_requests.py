@@ -68,16 +68,17 @@ def _integer(lo: int, hi: int | None = None, also: Sequence[int] = ()) -> Check:
     return check
 
 
-def _boolean(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise field_error(name, value, "true or false")
-    return value
+def _typed(kind: type, expected: str) -> Check:
+    """A value of exactly ``kind`` (JSON's type), else an error saying ``expected``."""
+    def check(name: str, value: Any) -> Any:
+        if not isinstance(value, kind):
+            raise field_error(name, value, expected)
+        return value
+    return check
 
 
-def _text(name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise field_error(name, value, "a string")
-    return value
+_boolean, _text = _typed(bool, "true or false"), _typed(str, "a string")
+_object, _list = _typed(dict, "an object"), _typed(list, "a list")
 
 
 def _only(*allowed: Any) -> Check:
@@ -110,17 +111,6 @@ def _stream_options(name: str, value: Any) -> dict[str, bool]:
     return {"include_usage": _boolean(f"{name}.include_usage",
                                       value.get("include_usage", False))}
 
-
-def _object(name: str, value: Any) -> dict:
-    if not isinstance(value, dict):
-        raise field_error(name, value, "an object")
-    return value
-
-
-def _list(name: str, value: Any) -> list:
-    if not isinstance(value, list):
-        raise field_error(name, value, "a list")
-    return value
 
 
 # Fields mlx_lm's handler reads (and ``n``, ``cache_salt``): how each is checked. Null
