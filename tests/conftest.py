@@ -56,9 +56,9 @@ if os.environ.get(DOC_EXAMPLE_ENV):
 # codes, eviction that evicts nothing, full-rank factors, merging that merges nothing);
 # a method that declares none runs with its defaults.
 SMALL_OPTIONS: dict[str, dict[str, Any]] = {
-    name: cls.small_options() for name, cls in methods().items() if cls.small_options()}
+    name: cls.profile.small for name, cls in methods().items() if cls.profile.small}
 LOSSLESS_OPTIONS: dict[str, dict[str, Any]] = {
-    name: cls.lossless_options() for name, cls in methods().items() if cls.lossless_options()}
+    name: cls.profile.lossless for name, cls in methods().items() if cls.profile.lossless}
 
 PROMPT = [(i * 37 + 11) % 120 + 1 for i in range(40)]
 
@@ -103,12 +103,12 @@ def no_buffer_cache() -> Iterator[None]:
 
 def small_config(method: str, **extra: Any) -> KVCacheConfig:
     """``method`` with its ``small_options``; a method that cannot be built fails the test."""
-    return KVCacheConfig(method, **{**get_method(method).small_options(), **extra})
+    return KVCacheConfig(method, **{**get_method(method).profile.small, **extra})
 
 
 def lossless_config(method: str, **extra: Any) -> KVCacheConfig:
     """``method`` with its ``lossless_options``."""
-    return KVCacheConfig(method, **{**get_method(method).lossless_options(), **extra})
+    return KVCacheConfig(method, **{**get_method(method).profile.lossless, **extra})
 
 
 def run_prefill(model: Any, caches: list[Any], tokens: list[int], chunk: int = 16) -> mx.array:

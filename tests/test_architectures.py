@@ -85,7 +85,7 @@ def expected_refusal(method: str, model_type: str) -> str | None:
         return "attends over its own compressed form only"
     if caps.evicts and not hooks and model_type in ATTENTION_BY_HAND | READS_OTHER_LAYERS:
         return "evicts tokens"
-    if cls.min_layers > 1 and model_type in ONE_LAYER:
+    if cls.profile.min_layers > 1 and model_type in ONE_LAYER:
         return r"\blayers\b"  # the method's own words for needing more layers
     return None
 
@@ -107,14 +107,14 @@ BATCH_REFUSED: dict[str, tuple[str, str]] = {
 
 def expected_batch_refusal(method: str, model_type: str) -> str | None:
     pattern, who = BATCH_REFUSED.get(model_type, ("", EVERY))
-    if not pattern or (who != EVERY and not getattr(methods()[method], who)):
+    if not pattern or (who != EVERY and not getattr(methods()[method].profile, who)):
         return None
     return pattern
 
 
 def options(method: str) -> dict:
     cls = methods()[method]
-    return {**cls.lossless_options(), **cls.few_layer_options()}
+    return {**cls.profile.lossless, **cls.profile.few_layer}
 
 
 @cache
@@ -176,7 +176,7 @@ def test_dense_view_gives_what_attend_gives(method: str) -> None:
     settings that compress, evict and merge within the prompt."""
     model = build_tiny("llama", wide=True)
     cls = methods()[method]
-    cfg = KVCacheConfig(method, **{**cls.small_options(), **cls.few_layer_options()})
+    cfg = KVCacheConfig(method, **{**cls.profile.small, **cls.profile.few_layer})
     tokens = [(i * 37 + 11) % 200 + 1 for i in range(56)]
     want = _prefill(model, KVCacheBuilder.for_model(model, cfg), tokens)
     caches = KVCacheBuilder.for_model(model, cfg)
@@ -215,7 +215,7 @@ def test_sliding_layers_compress_and_attend_over_their_window(method, opts, boun
     sliding = [(c, o) for c, o in zip(caches, own) if isinstance(o, RotatingKVCache)]
     assert sliding and all(c is not o for c, o in sliding)
     for c, o in sliding:
-        held = c.inner.offset if isinstance(c, SlidingCache) else c.keys.shape[2]
+        held = c.inner.offset if isinstance(c, SlidingCache) else c.stored.tokens()[0]
         assert held <= 32 + 32 + 16  # window + rebuild block + chunk, not 160
         assert c.nbytes < o.nbytes * (0.6 if method != "streaming" else 0.51)
     if method != "streaming":

@@ -92,7 +92,9 @@ def test_sinks_and_window_exact(setup, tmp_path) -> None:
     save_at_rest(path, model, caches, bits=0.5, sinks=SINKS, window=WINDOW)
     for (k, v), (k0, v0) in zip(read_at_rest(path, model), _kv(caches)):
         for got, ref in ((k, k0), (v, v0)):
+            # A float32 cache's ends are kept in float16 unless asked otherwise.
             exact = ref.astype(mx.float16).astype(mx.float32)
+            assert got.dtype == ref.dtype
             assert mx.array_equal(got[:, :, :SINKS], exact[:, :, :SINKS])
             assert mx.array_equal(got[:, :, -WINDOW:], exact[:, :, -WINDOW:])
             assert _rel(got[:, :, SINKS:-WINDOW], ref[:, :, SINKS:-WINDOW]) > 0.05
@@ -210,7 +212,7 @@ def _fix_crc(arrays, header) -> None:
     ("bits_high", "bits above"),
     ("tokens", "non-negative integers"),
     ("huge", "takes at most 4096"),
-    ("format", "is not 'veloxquant-at-rest/1'"),
+    ("format", "is not 'veloxquant-at-rest/2'"),
 ])
 def test_hostile_files_get_named_errors(setup, tmp_path, case: str, match: str) -> None:
     model, _, caches, *_ = setup
@@ -250,3 +252,105 @@ def test_other_model_is_refused(setup, tmp_path) -> None:
     save_at_rest(path, model, caches, bits=2, sinks=SINKS, window=WINDOW)
     with pytest.raises(AtRestError, match="was saved from model"):
         read_at_rest(path, tiny_model("llama", seed=3), calibration=setup[1])
+
+
+def test_bfloat16_ends_are_kept_bit_for_bit(setup, tmp_path) -> None:
+    model, _, caches, *_ = setup
+    half = make_prompt_cache(model)
+    for c, (k, v) in zip(half, _kv(caches)):
+        c.update_and_fetch(k.astype(mx.bfloat16), v.astype(mx.bfloat16))
+    path = tmp_path / "c.safetensors"
+    save_at_rest(path, model, half, bits=2, sinks=SINKS, window=WINDOW)
+    for (k, _), c in zip(read_at_rest(path, model), half):
+        ref = c.keys[..., : c.offset, :]
+        assert k.dtype == mx.bfloat16
+        assert mx.array_equal(k[:, :, -WINDOW:], ref[:, :, -WINDOW:])
+
+
+# ---- save_prompt_cache(at_rest=True) / load_prompt_cache ----
+def _states(caches) -> list:
+    from mlx.utils import tree_flatten
+
+    return [a for _, a in tree_flatten([c.state for c in caches])]
+
+
+def _method_caches(model, config: KVCacheConfig, tokens: list[int]) -> list:
+    caches = KVCacheBuilder.for_model(model, config)
+    model(mx.array(tokens)[None], cache=caches)
+    mx.eval(_states(caches))
+    return caches
+
+
+def test_prompt_cache_at_rest_round_trip(setup, tmp_path) -> None:
+    from veloxquant_mlx.apps.prompt_cache import (
+        load_prompt_cache,
+        read_prompt_cache_header,
+        save_prompt_cache,
+    )
+
+    model, _, _, follow, tokens = setup
+    config = KVCacheConfig(method="kivi", bits=4)
+    caches = _method_caches(model, config, tokens)
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(path, caches, {"who": "me"}, at_rest=True, model=model, at_rest_bits=6)
+    assert path.stat().st_size < 0.85 * cache_stats(caches)["fp16_bytes"]
+    header = read_prompt_cache_header(path)
+    assert header["format"] == "veloxquant-at-rest/2" and header["saved"]["method"] == "kivi"
+    loaded, meta = load_prompt_cache(path, model, return_metadata=True)
+    assert meta == {"who": "me"}
+    # Restored into the live method's stored form, holding the whole history.
+    assert [type(c) for c in loaded] == [type(c) for c in caches]
+    assert all(c.config == config and c.offset == N_TOKENS for c in loaded)
+    assert cache_stats(loaded)["held_bytes"] == cache_stats(caches)["held_bytes"]
+    a = model(mx.array(follow)[None], cache=loaded)
+    b = model(mx.array(follow)[None], cache=caches)
+    assert float(mx.abs(a - b).max()) < 0.05 * float(mx.abs(b).max())
+
+
+def test_prompt_cache_at_rest_refuses_another_model_by_name(setup, tmp_path) -> None:
+    from veloxquant_mlx.apps.prompt_cache import (
+        PromptCacheError,
+        load_prompt_cache,
+        save_prompt_cache,
+    )
+    from veloxquant_mlx.errors import PromptCacheError as Shared
+
+    assert PromptCacheError is Shared and issubclass(AtRestError, Shared)
+    model, _, _, _, tokens = setup
+    caches = _method_caches(model, KVCacheConfig(method="kivi", bits=4), tokens)
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(path, caches, at_rest=True, model=model)
+    with pytest.raises(PromptCacheError, match="was saved from model .* not this one"):
+        load_prompt_cache(path, tiny_model("llama", seed=3))
+    with pytest.raises(PromptCacheError, match="saved at rest: load it with its model"):
+        load_prompt_cache(path)
+    with pytest.raises(ValueError, match="needs the model"):
+        save_prompt_cache(path, caches, at_rest=True)
+
+    def bad_config(arrays, header):
+        header["saved"]["config"]["bits"] = 99
+    _rewrite(path, bad_config)
+    with pytest.raises(PromptCacheError, match="saved config is not valid"):
+        load_prompt_cache(path, model)
+
+
+@pytest.mark.parametrize("method", ["none", "kivi"])
+def test_prompt_cache_at_rest_lossless_setting_is_equal(setup, tmp_path, method: str) -> None:
+    from veloxquant_mlx.apps.prompt_cache import load_prompt_cache, save_prompt_cache
+    from veloxquant_mlx.registry import get_method
+
+    model, _, _, follow, tokens = setup
+    config = KVCacheConfig(method, **get_method(method).profile.lossless)
+    # Within the tokens the lossless options keep whole, so the live caches code nothing.
+    caches = _method_caches(model, config, tokens[:100])
+    path = tmp_path / "c.safetensors"
+    # A window as long as the history: every token kept exactly.
+    save_prompt_cache(path, caches, at_rest=True, model=model, at_rest_window=100)
+    loaded = load_prompt_cache(path, model)
+    for a, b in zip(_states(loaded), _states(caches), strict=True):
+        if isinstance(b, mx.array):
+            assert a.dtype == b.dtype and mx.array_equal(a, b).item(), method
+        else:
+            assert a == b, method
+    assert mx.array_equal(model(mx.array(follow)[None], cache=loaded),
+                          model(mx.array(follow)[None], cache=caches)).item()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import pytest
 from conftest import small_config
@@ -89,7 +91,7 @@ def test_batch_errors_are_clear() -> None:
         b.update_and_fetch(mx.zeros((2, 2, 1, 32)), mx.zeros((2, 2, 1, 32)))
 
     class NoBatch(type(c)):
-        supports_batching = False
+        profile = dataclasses.replace(type(c).profile, batching=False)
 
     with pytest.raises(NotImplementedError, match="does not support batch merging"):
         NoBatch.merge([c])
@@ -141,7 +143,7 @@ def test_batch_generate_every_method(method: str, monkeypatch: pytest.MonkeyPatc
     caches = [KVCacheBuilder.for_model(model, cfg) for _ in PROMPTS]
     first = next(c for c in caches[0] if isinstance(c, CompressedCache))
     cls = type(first)
-    if not cls.supports_batching:
+    if not cls.profile.batching:
         with pytest.raises(NotImplementedError, match="does not support batch merging"):
             batch_generate(model, Tok(), PROMPTS, prompt_caches=caches, max_tokens=3)
         return

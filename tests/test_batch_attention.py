@@ -85,7 +85,7 @@ def test_a_batch_decodes_in_one_call_as_each_row_alone(method: str, cpu_streams:
     monkeypatch.setattr(BatchedCache, "_attend_at_once", counted)
     probe = KVCacheBuilder.for_model(model, small_config(method))
     cls = type(next(c for c in probe if isinstance(c, CompressedCache)))
-    if not cls.supports_batching:
+    if not cls.profile.batching:
         pytest.skip(f"{method} refuses batches (tests/test_batch.py checks the refusal)")
     assert _max_error(model, method) <= TOLERANCE
     # The rows' class says whether it lays its segments side by side: then every layer of
@@ -93,12 +93,16 @@ def test_a_batch_decodes_in_one_call_as_each_row_alone(method: str, cpu_streams:
     # dense K/V to the batch take it in the fused kernel (one dense part per row) where a
     # group holds more than one row (one row alone: MLX's attention is faster), else
     # attend row by row; a class that hooks the module attends by itself.
-    batches = cls.attend_rows.__func__ is not CompressedCache.attend_rows.__func__
+    # Classes that keep the stored form's batched call (an override returning None
+    # attends row by row).
+    rows = getattr(cls, "attend_rows", None)
+    batches = rows is not None and rows.__func__ is stored.StoredFormCache.attend_rows.__func__
     groups = streams.groups(len(PROMPTS), streams.stream_count())
-    if batches:
+    if not cls.attends and not cls.profile.hooks_module:  # rows hand dense K/V to the batch
+        multi = sum(stop - start > 1 for start, stop in groups)
+        want = len(STEPS) * len(probe) * multi if fused == "1" else 0
+    elif batches:
         want = len(STEPS) * len(probe) * len(groups)
-    elif not cls.attends and not cls.hooks_module and fused == "1":
-        want = len(STEPS) * len(probe) * sum(stop - start > 1 for start, stop in groups)
     else:
         want = 0
     assert calls["at_once"] == want, (method, calls, want)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 import warnings
 from importlib import metadata
@@ -70,16 +71,26 @@ def test_the_loaded_module_was_built_from_this_csrc_against_this_mlx(
 
 
 def test_the_source_hash_follows_every_source(setup_py: ModuleType, tmp_path: Path) -> None:
-    (tmp_path / "CMakeLists.txt").write_text("project(x)\n")
-    (tmp_path / "parts.cpp").write_text("int f();\n")
+    # The sources by concern and their shared headers, each a part of what was built.
+    names = ("CMakeLists.txt", "decode.cpp", "parts.h")
+    for name in names:
+        (tmp_path / name).write_text("int f();\n")
     (tmp_path / "notes.txt").write_text("not a source\n")
     before = setup_py.source_hash(tmp_path)
     (tmp_path / "notes.txt").write_text("edited\n")
     assert setup_py.source_hash(tmp_path) == before
-    for name in ("CMakeLists.txt", "parts.cpp"):
+    for name in names:
         (tmp_path / name).write_text((tmp_path / name).read_text() + "// edit\n")
         assert setup_py.source_hash(tmp_path) != before
         before = setup_py.source_hash(tmp_path)
+
+
+def test_cmake_builds_every_source_file() -> None:
+    # The extension is split by concern: a file left out of the list would link without
+    # its kernels (a missing symbol at import) or be hashed without being built.
+    text = (ROOT / "csrc" / "CMakeLists.txt").read_text()
+    listed = set(re.search(r"set\(VELOXQUANT_SOURCES([^)]*)\)", text).group(1).split())
+    assert listed == {p.name for p in (ROOT / "csrc").glob("*.cpp")}
 
 
 def _fallback_build(setup_py: ModuleType, tmp_path: Path,
@@ -144,8 +155,9 @@ def test_a_module_of_another_mlx_reports_why(monkeypatch: pytest.MonkeyPatch) ->
     def refuses(*args: object) -> None:
         raise TypeError("incompatible function arguments")
 
-    monkeypatch.setattr(veloxquant_mlx.ops, "_native", SimpleNamespace(decode_attention=refuses),
-                        raising=False)
+    # Its part kinds and fields are this checkout's: only the call tells it apart.
+    other = SimpleNamespace(decode_attention=refuses, **native.described_by(native._native))
+    monkeypatch.setattr(veloxquant_mlx.ops, "_native", other, raising=False)
     ext, why = native._load()
     assert ext is None
     assert why.startswith("built for another MLX (TypeError)") and "pip install" in why

@@ -39,8 +39,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "veloxquant_mlx"
 _MLX_AFFINE = "MLX's affine quantization mode (mx.quantize), which the method is named after"
 ALLOWED: dict[tuple[str, str, str], str] = {
     ("config.py", "parse_value", "none"): "'none' spells Python's None in option strings",
-    ("adapter/builder.py", "_nothing_to_compress", "none"): "English, in the message",
-    ("cache/kvstore.py", "*", "affine"): f"the eviction stores' store='affine': {_MLX_AFFINE}",
+    ("cache/kept.py", "*", "affine"): f"the eviction stores' store='affine': {_MLX_AFFINE}",
     ("cache/turboquant.py", "*", "affine"): f"TurboQuant's quantizer='affine': {_MLX_AFFINE}",
     ("cache/xquant_hook.py", "weight_in_out", "affine"): f"a QuantizedLinear's mode: "
                                                          f"{_MLX_AFFINE}",
@@ -50,9 +49,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
 }
 MAX_ALLOWED = 7
 # Option fields a shared module defines itself: the eviction stores' fields, which each
-# eviction method embeds in its options and hands to ``cache.kvstore``.
+# eviction method embeds in its options and hands to ``cache.kept``.
 FIELDS_ALLOWED: dict[str, frozenset[str]] = {
-    "cache/kvstore.py": frozenset({"store", "k_bits", "v_bits", "group_size"}),
+    "cache/kept.py": frozenset({"store", "k_bits", "v_bits", "group_size"}),
 }
 OPTIONS_NAMES = ("options", "opts")
 # 0.1's flat config format as it was (method names included); no new method enters it.
@@ -219,9 +218,9 @@ def test_a_bad_module_is_caught() -> None:
 def test_every_capability_has_a_default_on_the_base_class() -> None:
     # A method that declares nothing runs with the base class's defaults.
     base = CompressedCache
-    assert (base.hooks_module, base.drops_front, base.min_layers) == (False, False, 1)
-    assert base.ring_alignment(None) == 1 and base.precision_ladders() == {}
-    assert base.needs_rotation(None) is False and base.rotation_refusal(None) is None
-    assert base.replicated_by_tensor_parallelism(None, 8, 16) is None
-    assert base.curve_tags(None) == []
-    assert base.small_options() == base.lossless_options() == base.few_layer_options() == {}
+    assert (base.profile.hooks_module, base.profile.drops_front, base.profile.min_layers) == (False, False, 1)
+    assert base.profile.ring_alignment(None) == 1 and base.profile.ladders == {}
+    assert base.profile.needs_rotation(None) is False and base.profile.rotation_refusal(None) is None
+    assert base.profile.replicated(None, 8, 16) is None
+    assert base.profile.curve_tags(None) == []
+    assert base.profile.small == base.profile.lossless == base.profile.few_layer == {}

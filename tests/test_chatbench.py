@@ -99,3 +99,33 @@ def test_warm_conversations_are_the_ones_served_from_their_kept_cache() -> None:
                                      {"server": "kivi", **{**got, "kept": 6}}],
                                     chatbench.WarmConfig(5, 80))
     assert "| kivi | 6 | 3 | 2.00 |" in table
+
+
+def test_overflowed_and_restarted_conversations_come_back_from_disk(tmp_path) -> None:
+    """Tiny model: three conversations, room for one kept cache, a restart before the
+    third turn. Every answer of the disk-tier run equals the warm run's (a restored
+    conversation's tokens are the never-evicted ones'), and its later turns are served
+    from disk."""
+    from test_server import WORDS, write_tiny_model
+
+    write_tiny_model(tmp_path)
+    cfg = chatbench.OverflowConfig(conversations=3, turns=3, ram_entries=1, restart_at=2,
+                                   document_words=40, user_words=6, max_tokens=6,
+                                   timeout=120, model=str(tmp_path), vocab=WORDS[6:],
+                                   extra=["--prefill-step-size", "32"])
+    warm, disk, _ = chatbench.overflow_modes(cfg)
+    runs = chatbench.overflow_bench(cfg, "kivi:bits=4", "64MB", modes=[warm, disk])
+    ref = {(r["conversation"], r["turn"]): r for r in runs[0]["turns"]}
+    turns = runs[1]["turns"]
+    assert len(turns) == 9 and all(r["ok"] for r in turns)
+    for r in turns:
+        assert r["answer"] == ref[(r["conversation"], r["turn"])]["answer"], r
+        if r["turn"] > 0:  # the whole previous history came from a cache
+            previous = ref[(r["conversation"], r["turn"] - 1)]
+            assert r["cached_tokens"] >= previous["prompt_tokens"], r
+    before, after = runs[1]["counters"]
+    # At least one read per restored turn (a prefetched entry that a late insert evicts
+    # before its fetch is read again).
+    assert before["from_disk"] >= 2 and after["from_disk"] >= 3, runs[1]["counters"]
+    table = chatbench.overflow_markdown(runs, cfg)
+    assert "| disk tier | 3 (restarted) |" in table and "3 / 3" in table

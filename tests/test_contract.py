@@ -47,10 +47,10 @@ def _decode(model, caches, tokens: list[int]) -> mx.array:
 def test_registry_entry_is_complete(method: str) -> None:
     cls = get_method(method)
     assert issubclass(cls, CompressedCache) and cls.method == method
-    assert cls.family and cls.paper and cls.stores
+    assert cls.profile.family and cls.profile.paper and cls.profile.stores
     assert cls.Options.method == method
     # mlx_lm sends any cache with a ``bits`` attribute down its quantized attention path.
-    cache = cls(KVCacheConfig(method), None) if not cls.cross_layer else None
+    cache = cls(KVCacheConfig(method), None) if not cls.profile.cross_layer else None
     assert cache is None or not hasattr(cache, "bits")
 
 
@@ -122,3 +122,34 @@ def test_every_method_has_a_docs_page(method: str) -> None:
 
 def test_the_list_is_what_the_registry_holds() -> None:
     assert "none" in methods() and len(methods()) >= 9
+
+
+# ---------------------------------------------------------------- a contract to hold
+DEVELOPING = Path(__file__).parent.parent / "docs" / "developing.md"
+TABLE_START, TABLE_END = "<!-- profile table: start -->", "<!-- profile table: end -->"
+
+
+def _public(cls: type) -> list[str]:
+    return sorted(name for name in dir(cls) if not name.startswith("_"))
+
+
+def test_the_capability_table_is_generated_from_the_profiles() -> None:
+    """docs/developing.md's table equals ``capability_table`` of the registry (regenerate
+    with ``scripts/profile_table.py``)."""
+    from veloxquant_mlx.cache.profile import capability_table
+
+    text = DEVELOPING.read_text()
+    doc = text[text.index(TABLE_START) + len(TABLE_START):text.index(TABLE_END)].strip()
+    assert doc == capability_table(methods())
+
+
+def test_the_contract_is_small_and_documented() -> None:
+    """``CompressedCache``'s public members are the list docs/developing.md prints, and
+    few: what mlx_lm calls, the stored form's hooks, the profile and the options."""
+    members = _public(CompressedCache)
+    text = DEVELOPING.read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("Public members ("))
+    count = int(line[len("Public members ("):line.index(")")])
+    assert count == len(members), members
+    assert all(f"`{m}`" in line for m in members), members
+    assert len(members) <= 31  # a ceiling: the contract may shrink, never grow unnoticed

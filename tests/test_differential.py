@@ -47,6 +47,7 @@ from veloxquant_mlx import (
     save_prompt_cache,
 )
 from veloxquant_mlx.cache.base import NotTrimmableError
+from veloxquant_mlx.cache.kept import Ring
 from veloxquant_mlx.memory import active_bytes, no_buffer_cache
 from veloxquant_mlx.registry import get_method
 from veloxquant_mlx.testing.reference import (
@@ -68,10 +69,30 @@ class MemoryMismatch(AssertionError):
     """The allocator holds more than the caches declare."""
 
 
+# The precisions users run: float32 (the CPU's fast path), bfloat16 and float16
+# activations, and 4-bit MLX-quantized weights with bfloat16 activations (as
+# mlx-community ships models). Beyond float32 the reference and the caches round at
+# other points (the caches attend in float32 and round their output; mlx_lm attends in
+# the model's dtype), so each step may differ by the dtype's rounding through the layers.
+PRECISIONS = ("float32", "bfloat16", "float16", "q4")
+ROUNDING = {"float32": 0.0, "bfloat16": 0.06, "float16": 0.01, "q4": 0.08}
+
+
 @cache
-def _models() -> tuple[nn.Module, nn.Module]:
+def _models(precision: str = "float32") -> tuple[nn.Module, nn.Module]:
     # Both built once, before any baseline reading: their weights are not the caches'.
-    return tiny_model("llama"), tiny_model("llama", seed=1)
+    models = tiny_model("llama"), tiny_model("llama", seed=1)
+    for m in models:
+        if precision != "float32":
+            m.set_dtype(mx.float16 if precision == "float16" else mx.bfloat16)
+        if precision == "q4":
+            nn.quantize(m, group_size=32, bits=4)
+        mx.eval(m.parameters())
+    return models
+
+
+def _floats(x: mx.array) -> np.ndarray:
+    return np.array(x.astype(mx.float32))
 
 
 def _state(caches: list[Any]) -> list[Any]:
@@ -90,10 +111,11 @@ class CacheMachine(RuleBasedStateMachine):
     """One method's caches and their reference on the tiny llama (see the module)."""
 
     config: ClassVar[KVCacheConfig]
+    precision: ClassVar[str] = "float32"
 
     def __init__(self) -> None:
         super().__init__()
-        self.model, self.other = _models()
+        self.model, self.other = _models(self.precision)
         KVCacheBuilder.detach(self.model)
         KVCacheBuilder.detach(self.other)
         self.base = active_bytes()
@@ -101,7 +123,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.ref = reference_caches(self.model, self.caches)
         self.most = 0  # the most tokens the caches have held
         first = self.caches[0]
-        self.batchable = type(first).supports_batching
+        self.batchable = type(first).profile.batching
         self.steps: list[str] = []
 
     @property
@@ -114,9 +136,14 @@ class CacheMachine(RuleBasedStateMachine):
         self.steps.append(what)
         self.most = max(self.most, self.offset)
         bound = reference_bound(caches or self.caches, most or self.most)
+        bound += ROUNDING[self.precision]
+        if not np.isfinite(got).all():
+            raise Mismatch(f"{self.config} in {self.precision}: {what}: non-finite logits "
+                           f"after {self.steps}")
         err = relative_error(got, want)
         if not err <= bound:
-            raise Mismatch(f"{self.config}: {what}: logits off by {err:.3g} of their scale "
+            raise Mismatch(f"{self.config} in {self.precision}: {what}: logits off by "
+                           f"{err:.3g} of their scale "
                            f"(bound {bound:.3g}) after {self.steps}")
 
     def _step(self, tokens: list[int], what: str, evaluate_state: bool = True) -> None:
@@ -126,8 +153,8 @@ class CacheMachine(RuleBasedStateMachine):
             mx.eval(got, _state(self.caches))
         else:
             mx.eval(got)  # what a plain loop does: the state only through the logits
-        got = np.array(got)
-        self._check(got, np.array(self.model(x, cache=self.ref)), f"{what}({len(tokens)})")
+        got = _floats(got)
+        self._check(got, _floats(self.model(x, cache=self.ref)), f"{what}({len(tokens)})")
 
     # ---- rules ----
     @initialize(tokens=st.lists(TOKEN, min_size=2, max_size=14))
@@ -195,10 +222,10 @@ class CacheMachine(RuleBasedStateMachine):
         merged = [type(c).merge([c, t]) for c, t in zip(self.caches, theirs)]
         got = self.model(mx.array([[a], [b]]), cache=merged)
         mx.eval(got, _state(merged))
-        got = np.array(got)
-        self._check(got[:1], np.array(self.model(mx.array([[a]]), cache=self.ref)),
+        got = _floats(got)
+        self._check(got[:1], _floats(self.model(mx.array([[a]]), cache=self.ref)),
                     "batch row 0")
-        self._check(got[1:], np.array(self.model(mx.array([[b]]), cache=their_ref)),
+        self._check(got[1:], _floats(self.model(mx.array([[b]]), cache=their_ref)),
                     "batch row 1", theirs, len(prompt) + 1)
         for m in merged:
             m.filter([0])
@@ -212,8 +239,8 @@ class CacheMachine(RuleBasedStateMachine):
         x = mx.array([tokens])
         got = self.other(x, cache=theirs)
         mx.eval(got, _state(theirs))
-        self._check(np.array(got),
-                    np.array(self.other(x, cache=reference_caches(self.other, theirs))),
+        self._check(_floats(got),
+                    _floats(self.other(x, cache=reference_caches(self.other, theirs))),
                     "second model", theirs, len(tokens))
         KVCacheBuilder.detach(self.other)
         del theirs
@@ -238,10 +265,11 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 def run_machine(config: KVCacheConfig, examples: int, steps: int,
-                shrink: bool = True) -> None:
+                shrink: bool = True, precision: str = "float32") -> None:
     """The machine over ``config`` with a fixed seed (reproducible in CI); ``shrink``
     reduces a failing case to a short one (slow: off where a failure is expected)."""
-    machine = type(f"Machine_{config.method}", (CacheMachine,), {"config": config})
+    machine = type(f"Machine_{config.method}", (CacheMachine,),
+                   {"config": config, "precision": precision})
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
     with no_buffer_cache():
         run_state_machine_as_test(machine, settings=settings(
@@ -258,40 +286,47 @@ def test_lossless_settings_match_mlx_lm(method: str) -> None:
     run_machine(lossless_config(method), examples=2, steps=10)
 
 
+# bfloat16 runs with the 4-bit weights (``q4``), as mlx-community's models do.
+@pytest.mark.parametrize("precision", ["float16", "q4"])
+def test_compressing_settings_in_the_precisions_users_run(method: str, precision: str
+                                                          ) -> None:
+    run_machine(small_config(method), examples=1, steps=8, precision=precision)
+
+
 # ---------------------------------------------------------------- broken caches
 def _trim_drops_the_oldest(cls: type) -> Any:
     def trim(self: Any, n: int) -> int:
         n = min(self.offset, n)
-        keep = self.offset - n
-        # The bug: keep the newest tokens instead of the oldest.
-        self.keys = mx.contiguous(self.keys[..., n:self.offset, :])
-        self.values = mx.contiguous(self.values[..., n:self.offset, :])
-        self.offset = keep
+        for segment in (*self.stored.keys, *self.stored.values):
+            segment.drop_front(n)  # the bug: drop the oldest tokens instead of the newest
+        self.offset -= n
         return n
     return trim
 
 
 def _ring_never_advances(original: Any) -> Any:
-    def update_and_fetch(self: Any, keys: mx.array, values: mx.array) -> Any:
-        ring = self.ring
-        out = original(self, keys, values)
-        if self._pending == "ring":
-            self.ring = ring  # the bug: every decode step overwrites the same slot
-        return out
-    return update_and_fetch
+    def append(self: Any, x: mx.array) -> None:
+        start, in_place = self.start, x.shape[2] == 1 and self.full
+        original(self, x)
+        if in_place:
+            self.start = start  # the bug: every decode step overwrites the same slot
+    return append
 
 
+@pytest.mark.parametrize("precision", ["float32", "q4"])
 def test_the_machine_catches_a_trim_that_drops_the_oldest_tokens(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, precision: str) -> None:
     cls = get_method("none")
     monkeypatch.setattr(cls, "trim", _trim_drops_the_oldest(cls))
     with pytest.raises(Mismatch):
-        run_machine(KVCacheConfig("none"), examples=6, steps=12, shrink=False)
+        run_machine(KVCacheConfig("none"), examples=6, steps=12, shrink=False,
+                    precision=precision)
 
 
+@pytest.mark.parametrize("precision", ["float32", "q4"])
 def test_the_machine_catches_a_stale_streaming_window(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    cls = get_method("streaming")
-    monkeypatch.setattr(cls, "update_and_fetch", _ring_never_advances(cls.update_and_fetch))
+        monkeypatch: pytest.MonkeyPatch, precision: str) -> None:
+    monkeypatch.setattr(Ring, "append", _ring_never_advances(Ring.append))
     with pytest.raises(Mismatch):
-        run_machine(small_config("streaming"), examples=6, steps=12, shrink=False)
+        run_machine(small_config("streaming"), examples=6, steps=12, shrink=False,
+                    precision=precision)

@@ -9,6 +9,7 @@ Run as a script on the embedded model, it prints a ~4k-token conversation's rest
 from disk against its prefill (seconds, ratio) and its file's bytes against fp16::
 
     python tests/test_disk_tier.py --method kivi:bits=4 --method turboquant
+    python tests/test_disk_tier.py --method kivi:bits=4 --tokens 1024 --at-rest 3
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import logging
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +31,7 @@ from test_server_reuse import KEY, SYSTEM, Provider, generator, turn, words
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.apps import disk_tier as disk_mod
 from veloxquant_mlx.apps import prompt_cache as prompt_cache_mod
-from veloxquant_mlx.apps.disk_tier import INDEX, DiskTier, model_identity
+from veloxquant_mlx.apps.disk_tier import INDEX, AtRestCodec, DiskTier, model_identity
 from veloxquant_mlx.apps.prompt_reuse import CompressedPromptCache
 from veloxquant_mlx.apps.server_salt import SaltedPromptCache
 from veloxquant_mlx.registry import get_method
@@ -43,7 +45,7 @@ def model() -> Any:
 
 
 def lossless(method: str) -> KVCacheConfig:
-    return KVCacheConfig(method, **get_method(method).lossless_options())
+    return KVCacheConfig(method, **get_method(method).profile.lossless)
 
 
 def tier(folder: Path, model: Any, config: KVCacheConfig, max_bytes: int | None = None,
@@ -258,9 +260,128 @@ def test_the_flags_name_what_is_wrong(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(argparse.ArgumentError, match="--prompt-cache-dir="):
         parser.parse_args(["--prompt-cache-dir", str(tmp_path / "file" / "sub")])
+    assert args.prompt_cache_at_rest is None  # off by default
+    assert parser.parse_args(["--prompt-cache-at-rest"]).prompt_cache_at_rest == 3.0
+    assert parser.parse_args(["--prompt-cache-at-rest", "1.5"]).prompt_cache_at_rest == 1.5
+    with pytest.raises(argparse.ArgumentError, match="--prompt-cache-at-rest='9'"):
+        parser.parse_args(["--prompt-cache-at-rest", "9"])
 
 
-def _measure(model: Any, config: KVCacheConfig, ids: list[int], folder: Path) -> str:
+def test_entries_at_rest_are_restored_and_checked_like_any_file(
+        model: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from veloxquant_mlx.apps.at_rest import at_rest_header, calibrate_at_rest
+    from veloxquant_mlx.testing.tiny import tiny_model
+
+    monkeypatch.setenv("VELOXQUANT_CACHE_DIR", str(tmp_path / "calibrations"))
+    other = tiny_model("llama", seed=6)
+    for m in (model, other):
+        calibrate_at_rest(m, words(200, 9))
+    config, gen = lossless("kivi"), generator(model)
+
+    def at_rest_pool(folder: Path, m: Any) -> CompressedPromptCache:
+        # A window longer than the histories: every token kept exactly (lossless).
+        disk = DiskTier(folder, None, model_identity(m, "tiny"), config.to_string(),
+                        AtRestCodec(m, bits=2, window=64))
+        return CompressedPromptCache(Provider(m), config, disk=disk)
+
+    kept_pool, pool = CompressedPromptCache(Provider(model), config), at_rest_pool(tmp_path, model)
+    first = [SYSTEM, words(10, 1)]
+    _, _, kept = turn(kept_pool, gen, first)
+    assert turn(pool, gen, first)[2] == kept
+    evict_all(pool)
+    entry = next(iter(pool.disk.entries.values()))
+    header = at_rest_header(tmp_path / entry["file"])
+    assert header is not None and header["saved"]["method"] == "kivi"
+    second = [SYSTEM, kept[len(SYSTEM):] + words(6, 2)]
+    answer, reused, _ = turn(pool, gen, second)
+    assert (answer, reused) == turn(kept_pool, gen, second)[:2]
+    assert reused == len(kept) and pool.counters["from_disk"] == 1
+    pool.close_disk()
+    # Another model's file at rest swapped under our entry: refused by name, prefilled.
+    from veloxquant_mlx.adapter.builder import KVCacheBuilder
+
+    evil = at_rest_pool(tmp_path / "evil", other)
+    caches = KVCacheBuilder.for_model(other, config)
+    other(mx.array(kept)[None], cache=caches)
+    evil.disk.put(None, kept, caches)
+    evil.close_disk()
+    theirs = next(iter(evil.disk.entries.values()))
+    assert at_rest_header(tmp_path / "evil" / theirs["file"]) is not None
+    ours = at_rest_pool(tmp_path, model)
+    mine = next(e for e in ours.disk.entries.values() if e["tokens"] == kept)
+    (tmp_path / "evil" / theirs["file"]).replace(tmp_path / mine["file"])
+    with caplog.at_level(logging.WARNING):
+        assert turn(ours, gen, [kept + [5]])[1] == 0
+    assert f"refused {mine['file']}" in caplog.text and "was saved from model" in caplog.text
+    assert ours.disk.counters["refused"] == 1
+    ours.close_disk()
+
+
+def test_a_small_pool_keeps_the_newest_conversation_and_spills_the_older(
+        model: Any, tmp_path: Path) -> None:
+    # Histories past kivi's window: their segments cannot be cut, so each stays an entry.
+    config = KVCacheConfig("kivi", bits=4)
+    pool = CompressedPromptCache(Provider(model), config, max_size=2,
+                                 disk=tier(tmp_path, model, config))
+    gen = generator(model)
+    kept = [turn(pool, gen, [SYSTEM, words(180, c)])[2] for c in (1, 2)]
+    pool.disk.flush()
+    assert len(pool) == 2 and pool.counters["not_kept"] == 0
+    assert pool.match(kept[1] + [5]) == (KEY, tuple(kept[1]))  # the newest, in RAM
+    assert kept[0] in [e["tokens"] for e in pool.disk.entries.values()]
+    pool.close_disk()
+
+
+SLOW_READ_S = 2.0
+
+
+def test_a_slow_disk_read_does_not_delay_another_requests_tokens(
+        model: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generation loop as mlx_lm.server runs it (this thread): request B decodes
+    while request A, whose history is on disk, arrives on its handler thread (admission
+    calls ``match``) and is fetched once admitted. The file's read sleeps."""
+    config = lossless("kivi")
+    pool, gen = pool_over(tmp_path, model, config), generator(model)
+    _, _, kept = turn(pool, gen, [[1] + words(19, 1)])
+    evict_all(pool)
+    real_read, readers = disk_mod.read_file, []
+
+    def slow_read(path: Path) -> int:
+        readers.append(threading.current_thread())
+        time.sleep(SLOW_READ_S)
+        return real_read(path)
+
+    monkeypatch.setattr(disk_mod, "read_file", slow_read)
+    cache, rest = pool.fetch_nearest_cache(KEY, [2] + words(19, 2))
+    (b,) = gen.insert_segments([[rest]], max_tokens=[40], caches=[cache], all_tokens=[[]])
+    del cache
+    a_prompt = kept + [7]
+    admitted = threading.Event()
+    handler = threading.Thread(target=lambda: (pool.match(a_prompt), admitted.set()))
+    handler.start()
+    stamps, a_rest, b_done = [time.perf_counter()], None, False
+    while not b_done or a_rest is None:
+        if admitted.is_set() and a_rest is None:
+            a_cache, a_rest = pool.fetch_nearest_cache(KEY, a_prompt)
+        if b_done:
+            time.sleep(0.01)
+            continue
+        for r in gen.next()[1]:
+            if r.uid == b:
+                stamps.append(time.perf_counter())
+                b_done = r.finish_reason is not None
+    handler.join()
+    gaps = [y - x for x, y in zip(stamps, stamps[1:])]
+    assert len(gaps) == 40 and max(gaps) < SLOW_READ_S / 2, max(gaps)
+    assert readers and threading.main_thread() not in readers
+    assert a_rest == [7] and pool.counters["prefetched"] == pool.counters["from_disk"] == 1
+    del a_cache
+    pool.close_disk()
+
+
+def _measure(model: Any, config: KVCacheConfig, ids: list[int], folder: Path,
+             codec: Any = None) -> str:
     from veloxquant_mlx.adapter.builder import KVCacheBuilder
     from veloxquant_mlx.adapter.prefill import prefill
 
@@ -269,7 +390,7 @@ def _measure(model: Any, config: KVCacheConfig, ids: list[int], folder: Path) ->
     prefill(model, caches, mx.array(ids, dtype=mx.int32), 512)
     mx.eval(states(caches))
     prefill_s = time.perf_counter() - start
-    disk = DiskTier(folder, None, model_identity(model, "embedded"), config.to_string())
+    disk = DiskTier(folder, None, model_identity(model, "embedded"), config.to_string(), codec)
     start = time.perf_counter()
     disk.put(None, ids, caches)
     write_s = time.perf_counter() - start
@@ -283,7 +404,8 @@ def _measure(model: Any, config: KVCacheConfig, ids: list[int], folder: Path) ->
     diff = mx.abs(model(probe, cache=restored) - model(probe, cache=caches)).max().item()
     fp16 = sum(2 * i.n_kv_heads * i.head_dim * len(ids) * 2
                for i in KVCacheBuilder.layer_infos(model) if i is not None)
-    return (f"{config.to_string()}: {len(ids)} tokens; prefill {prefill_s:.2f} s, restore "
+    form = "as held" if codec is None else f"at rest {codec.bits:g} bits"
+    return (f"{config.to_string()} ({form}): {len(ids)} tokens; prefill {prefill_s:.2f} s, restore "
             f"{restore_s:.3f} s (ratio {restore_s / prefill_s:.3f}), write {write_s:.3f} s; "
             f"file {entry['bytes'] / 2**20:.1f} MiB vs fp16 {fp16 / 2**20:.1f} MiB "
             f"({entry['bytes'] / fp16:.3f}); next-token logits max |diff| {diff:.1e}")
@@ -297,13 +419,24 @@ def _main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--method", action="append", default=None)
     p.add_argument("--tokens", type=int, default=4096, help="tokens of the conversation")
+    p.add_argument("--at-rest", type=float, default=None, metavar="BITS",
+                   help="files at rest (--prompt-cache-at-rest BITS), the model calibrated "
+                   "first on 1024 tokens of the stdlib-docstring text when it has none")
     args = p.parse_args(argv)
     model, tok = load()
     text = (Path(__file__).parent.parent / "README.md").read_text()
     ids = tok.encode(text * (1 + args.tokens * 5 // max(len(text), 1)))[:args.tokens]
+    codec = None
+    if args.at_rest is not None:
+        from veloxquant_mlx.apps.at_rest import calibrate_at_rest, load_calibration
+        from veloxquant_mlx.eval.text import encode, load_text
+
+        if load_calibration(model) is None:
+            calibrate_at_rest(model, encode(tok, load_text())[:1024])
+        codec = AtRestCodec(model, args.at_rest)
     for spec in args.method or ["kivi:bits=4", "turboquant"]:
         with tempfile.TemporaryDirectory() as folder:
-            print(_measure(model, KVCacheConfig.from_string(spec), ids, Path(folder)),
+            print(_measure(model, KVCacheConfig.from_string(spec), ids, Path(folder), codec),
                   flush=True)
 
 

@@ -142,7 +142,7 @@ def _marked(method: str) -> Any:
 @pytest.mark.parametrize("method", [_marked(m) for m in methods()])
 def test_lossless_equals_mlx_lm_cache(gemma, references, method: str, window: int | None):
     model, tokenizer = gemma
-    config = KVCacheConfig(method, **get_method(method).lossless_options())
+    config = KVCacheConfig(method, **get_method(method).profile.lossless)
     old = _with_window(model, window)
     try:
         try:

@@ -201,7 +201,7 @@ def infos(n_layers: int) -> list[LayerInfo]:
 
 def test_assign_roles_pairs_the_middle_to_deep_layers():
     layers = infos(7)
-    MiniCacheCache.assign_roles(layers, KVCacheConfig(method="minicache"), None)
+    MiniCacheCache.profile.assign_roles(layers, KVCacheConfig(method="minicache"), None)
     roles = [(i.group_size, i.member_idx) for i in layers]
     assert roles == [(1, 0)] * 3 + [(2, 0), (2, 1), (2, 0), (2, 1)]
     assert layers[3].group_id == layers[4].group_id != layers[5].group_id
@@ -212,7 +212,7 @@ def test_assign_roles_pairs_the_middle_to_deep_layers():
 def test_assign_roles_custom_range_and_odd_tail():
     layers = infos(8)
     cfg = KVCacheConfig(method="minicache", start_layer=1, end_layer=5)
-    MiniCacheCache.assign_roles(layers, cfg, None)
+    MiniCacheCache.profile.assign_roles(layers, cfg, None)
     assert [i.group_size for i in layers] == [1, 2, 2, 2, 2, 1, 1, 1]
 
 
@@ -224,7 +224,7 @@ def test_assign_roles_custom_range_and_odd_tail():
 def test_merge_range_outside_the_model_is_an_error(kwargs, field):
     cfg = KVCacheConfig(method="minicache", **kwargs)
     with pytest.raises(ConfigError, match=f"minicache.{field}=.*8 layers|{field}"):
-        MiniCacheCache.assign_roles(infos(8), cfg, None)
+        MiniCacheCache.profile.assign_roles(infos(8), cfg, None)
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -275,7 +275,7 @@ def test_storage_is_real_and_counted_once(model, bits):
     n_win = store.n_pending(1)
     for a in partner.held_arrays():
         assert a.ndim == 3 or a.shape[2] in (n_win, store.n_retained()[0])
-    assert partner.nbytes < 0.25 * partner.fp16_bytes()
+    assert partner.nbytes < 0.25 * partner.stats()["fp16_bytes"]
     ids = {id(a) for a in primary.held_arrays()}
     assert not ids & {id(a) for a in partner.held_arrays()}
     stats = cache_stats(caches)
@@ -348,7 +348,32 @@ def test_loading_quantized_state_without_bits_is_an_error(model, tmp_path):
     c.publish(0, 0, k, v)
     c.consume(0, 1, 0, k, v)
     with pytest.raises(ValueError, match="bits=None"):
-        MiniCacheCoordinator().load_member_state(0, 0, c.member_state(0, 0))
+        MiniCacheCoordinator().load_share(0, 0, 0, c.share_state(0, 0, 0))
+
+
+def test_pair_sides_are_the_stored_form(model):
+    """Each layer's bytes, state and dense view come from its stored form: a paired
+    layer's two sides of the pair store add up to what the store holds for it, and its
+    saved state keeps the layout of earlier files (keys share, values share, window)."""
+    cfg = KVCacheConfig(method="minicache", window=4)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    tokens = mx.random.randint(0, 128, (1, 30), key=mx.random.key(4))
+    prefill_then_decode(model, caches, tokens, 20)
+    primary, partner = caches[3], caches[4]
+    coord, pair = primary.layer.coordinator, primary.layer.group_id
+    store = coord.store(pair)
+    assert store.n_merged > 0 and [s.kind for s in primary.stored.order] == ["merged"] * 2
+    for c, m in ((primary, 0), (partner, 1)):
+        assert [s.n for s in c.stored.order] == [c.offset] * 2
+        share_k, share_v, window = c.state
+        assert len(share_k) == len(share_v) == (4 if m == 0 else 2)
+        assert window is not None and window[0].shape[2] == store.n_pending(m)
+        k, v = c.dense_kv(mx.float32)
+        want = coord.reconstruct(pair, m, mx.float32)
+        assert mx.array_equal(k, want[0]).item() and mx.array_equal(v, want[1]).item()
+    held = {id(a) for c in (primary, partner) for a in c.held_arrays()}
+    assert held == {id(a) for a in coord.pair_arrays(pair)}
+    assert [s.kind for s in caches[0].stored.order] == ["dense"] * 2  # outside the pairs
 
 
 def test_unmodified_mlx_lm_generate(model):
@@ -458,7 +483,7 @@ def test_trim_of_retained_tokens(model):
 def test_tune_grid_spans_the_compression_range(model):
     tokens = mx.random.randint(0, 128, (1, 200), key=mx.random.key(12))
     ratios = []
-    for opts in MiniCacheCache.tune_grid(2048):
+    for opts in MiniCacheCache.profile.tune_grid(2048):
         caches = KVCacheBuilder.for_model(model, KVCacheConfig("minicache", **opts))
         prefill_then_decode(model, caches, tokens, 199)
         ratios.append(cache_stats(caches)["ratio"])

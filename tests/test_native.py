@@ -1,4 +1,4 @@
-"""The fused CPU decode attention (``csrc/parts.cpp`` through ``ops.native``): for every
+"""The fused CPU decode attention (``csrc/`` through ``ops.native``): for every
 stored form it reads, the result of MLX's ops within float tolerance; the forms and calls
 it does not take fall through to MLX's ops; bad calls are refused naming what is wrong.
 
@@ -8,11 +8,15 @@ failed build fails them instead of hiding behind a skip."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from enum import IntEnum
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import veloxquant_mlx.ops
 from veloxquant_mlx.ops import attention, native
 from veloxquant_mlx.ops import codebook as cb
 from veloxquant_mlx.ops import fpcodes as fp
@@ -44,9 +48,9 @@ def _counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = native._native.decode_attention
 
-    def spy(q: mx.array, arrays: list, spec: list[int], *a: object) -> mx.array:
-        calls.append(sum(1 for e in spec[7::native.SPEC_INTS] if e & native.PROJECT))
-        return real(q, arrays, spec, *a)
+    def spy(q: mx.array, arrays: list, parts: list[native.PartSpec], *a: object) -> mx.array:
+        calls.append(sum(1 for p in parts if p.projection is not None))
+        return real(q, arrays, parts, *a)
 
     monkeypatch.setattr(native._native, "decode_attention", spy)
     return calls
@@ -186,9 +190,10 @@ def test_what_it_does_not_take_runs_on_mlx_ops(case: str,
         keys = [FloatCodes(c, packed=False)]
     elif case == "dense only":
         keys = [DensePart(_normal(64, 20))]
-    else:
+    else:  # a prompt chunk past the rows the op takes at once
         queries = mx.random.normal((B, H, 20, D), key=mx.random.key(21))
         mask = "causal"
+        monkeypatch.setattr(native, "CHUNK_ROWS", 19)
     fused, plain, calls = _both(monkeypatch, queries, keys, values, mask)
     assert calls == 0
     assert _close(fused, plain) == 0.0
@@ -210,88 +215,116 @@ def test_no_float_copy_of_the_store_is_allocated() -> None:
     assert mx.get_peak_memory() - base < floats / 50
 
 
-def _call(spec: list[int], arrays: list[mx.array], counts: list[int] | None = None) -> None:
-    counts = counts or [1, len(spec) // native.SPEC_INTS - 1]
-    mx.eval(native._native.decode_attention(mx.ones((1, 1, 1, 8)), arrays, spec, counts))
+def _part(kind: str = "dense", bits: int = 0, group: int = 0, biases: bool = False,
+          table: bool = False, **placed: object) -> native.PartSpec:
+    return native.PartSpec(native.Form(native.PartKind[kind], bits, group, biases, table),
+                           **placed)
 
 
-def _unprojected(spec: list[int]) -> list[int]:
-    """Parts of eight ints (stored form, placement) with no projection's five after."""
-    return [x for i in range(0, len(spec), 8) for x in [*spec[i:i + 8], 0, 0, 0, 0, 0]]
+DENSE = _part()
 
 
-NO_PLACE = [0, 0, 0]  # query offset, output offset, extras
+def _call(parts: list, arrays: list[mx.array], counts: list[int] | None = None) -> None:
+    counts = counts or [1, len(parts) - 1]
+    mx.eval(native._native.decode_attention(mx.ones((1, 1, 1, 8)), arrays, parts, counts))
 
 
-@pytest.mark.parametrize("spec,arrays,message", [
-    ([0, 0, 0, 0, 0, *NO_PLACE], [mx.ones((1, 1, 4, 8))],
-     "at least one key part and one value part"),
-    ([0, 0, 0, 0, 0, *NO_PLACE] * 2, [mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 5, 8))],
-     "same tokens"),
-    ([1, 3, 8, 0, 0, *NO_PLACE, 0, 0, 0, 0, 0, *NO_PLACE],
+def test_the_part_kinds_and_fields_are_the_extensions(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One enumeration: the extension exports its kinds and a part description's fields,
+    # ops.native declares the same, and every kind a stored form names is one of them.
+    assert native.described_by(native._native) == native.described_by(None)
+    assert native._native.part_kinds == {"dense": 0, "token": 1, "channel": 2}
+    assert {k.name for k in native.PartKind} == {"dense", "token", "channel"}
+    # A kind added on one side only is refused at load (parts would be misread).
+    wider = IntEnum("PartKind", {**{k.name: k.value for k in native.PartKind}, "ring": 3})
+    monkeypatch.setattr(native, "PartKind", wider)
+    ext, why = native._load()
+    assert ext is None and why.startswith("built from other sources (its part_kinds differ")
+    monkeypatch.undo()
+    kinds = {**native._native.part_kinds, "ring": 3}
+    other = SimpleNamespace(**{**native.described_by(native._native), "part_kinds": kinds})
+    monkeypatch.setattr(veloxquant_mlx.ops, "_native", other, raising=False)
+    assert native._load()[1].startswith("built from other sources (its part_kinds differ")
+
+
+@pytest.mark.parametrize("parts,arrays,message", [
+    ([DENSE], [mx.ones((1, 1, 4, 8))], "at least one key part and one value part"),
+    ([DENSE] * 2, [mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 5, 8))], "same tokens"),
+    ([_part("token", 3, 8), DENSE],
      [mx.zeros((1, 1, 4, 1), mx.uint32), mx.ones((1, 1, 4, 1)), mx.ones((1, 1, 4, 8))],
-     "bits must be 1, 2, 4 or 8"),
-    ([1, 4, 8, 0, 0, *NO_PLACE, 0, 0, 0, 0, 0, *NO_PLACE],
+     r"part 0 \(key part 0\): form.bits must be 1, 2, 4 or 8, got 3"),
+    ([_part("token", 4, 8), DENSE],
      [mx.ones((1, 1, 4, 1)), mx.ones((1, 1, 4, 1)), mx.ones((1, 1, 4, 8))],
      "codes must be unsigned"),
-    ([0, 0, 0, 0, 0, *NO_PLACE, 2, 4, 8, 1, 0, *NO_PLACE],
+    ([DENSE, _part("channel", 4, 8, biases=True)],
      [mx.ones((1, 1, 8, 8)), mx.zeros((1, 1, 8, 1), mx.uint32), mx.ones((1, 1, 8, 1)),
       mx.ones((1, 1, 8, 1))], "channel parts hold keys only"),
-    ([0, 0, 0, 0, 0, *NO_PLACE] * 2, [mx.ones((1, 1, 4, 8))], "fewer arrays"),
+    ([DENSE] * 2, [mx.ones((1, 1, 4, 8))], "fewer arrays"),
     # Placements: a value part read at a query offset, a key part with a mass, a shift of
     # the wrong shape, a key part past the end of the query rows.
-    ([0, 0, 0, 0, 0, *NO_PLACE, 0, 0, 0, 0, 0, 4, 0, 0], [mx.ones((1, 1, 4, 8))] * 2,
-     "a value part has no query offset"),
-    ([0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, *NO_PLACE], [mx.ones((1, 1, 4, 8))] * 2,
-     "a key part has no output offset or mass"),
-    ([0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, *NO_PLACE],
+    ([DENSE, _part(qoff=4)], [mx.ones((1, 1, 4, 8))] * 2,
+     "qoff must be 0 and shift false for a value part"),
+    ([_part(mass=True), DENSE], [mx.ones((1, 1, 4, 8))] * 2,
+     "ooff must be 0 and mass false for a key part"),
+    ([_part(shift=True), DENSE],
      [mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 2, 1)), mx.ones((1, 1, 4, 8))],
      "a score shift must be float32"),
-    ([0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0, *NO_PLACE], [mx.ones((1, 1, 4, 8))] * 2,
-     "fit in the query rows"),
+    ([_part(qoff=4), DENSE], [mx.ones((1, 1, 4, 8))] * 2, "fit in the query rows"),
     # A rotation: of a value part, wider than the part, with tables of the wrong shape;
     # a pairing without a rotation.
-    ([0, 0, 0, 0, 0, *NO_PLACE, 0, 0, 0, 0, 0, 0, 0, 4],
+    ([DENSE, _part(rotate=True)],
      [mx.ones((1, 1, 4, 8))] * 2 + [mx.ones((1, 1, 1, 4)), mx.zeros((1, 1, 1, 1), mx.int32)],
-     "only dense or projected key parts are rotated"),
-    ([0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, *NO_PLACE],
+     "rotate is for dense or projected key parts"),
+    ([_part(rotate=True), DENSE],
      [mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 1, 5)), mx.zeros((1, 1, 1, 1), mx.int32),
       mx.ones((1, 1, 4, 8))], "turns at most the part's dims"),
-    ([0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, *NO_PLACE],
+    ([_part(rotate=True), DENSE],
      [mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 1, 4)), mx.zeros((1, 1, 1, 1)),
       mx.ones((1, 1, 4, 8))], "first position must be int32"),
-    ([0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 0, 0, *NO_PLACE], [mx.ones((1, 1, 4, 8))] * 2,
-     "extras 0-31"),
-    ([0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, *NO_PLACE],
+    ([_part(pairs=True), DENSE], [mx.ones((1, 1, 4, 8))] * 2, r"pairs .* needs rotate"),
+    ([_part(rotate=True), DENSE],
      [mx.ones((1, 1, 4, 8)), mx.ones((1, 1, 3, 4)), mx.zeros((1, 1, 1, 1), mx.int32),
       mx.ones((1, 1, 4, 8))], "inverse frequencies must be contiguous float32"),
+    # The description itself: each field of its type, by name.
+    ([DENSE, _part(bits="4")], [mx.ones((1, 1, 4, 8))] * 2,
+     r"part 1: form.bits must be an int, got str"),
+    ([DENSE, _part(shift=1)], [mx.ones((1, 1, 4, 8))] * 2,
+     r"part 1: shift must be a bool, got int"),
+    ([_part(qoff=1 << 40), DENSE], [mx.ones((1, 1, 4, 8))] * 2, "part 0: qoff must fit in 32 bits"),
+    ([DENSE, SimpleNamespace(form=DENSE.form, qoff=0)], [mx.ones((1, 1, 4, 8))] * 2,
+     r"part 1: no field ooff in a types.SimpleNamespace"),
+    ([DENSE, 3], [mx.ones((1, 1, 4, 8))] * 2, r"part 1: no field form in a int"),
+    ([_part(kind="dense", bits=4), DENSE], [mx.ones((1, 1, 4, 8))] * 2,
+     r"form.bits must be 0 \(false\) for a dense part, got 4"),
+    ([replace(DENSE, form=native.Form(7)), DENSE], [mx.ones((1, 1, 4, 8))] * 2,
+     r"form.kind must be 0 \(dense\), 1 \(token\), 2 \(channel\), got 7"),
+    ([replace(DENSE, projection=native.Form(native.PartKind.token, 2, 32, table=True)), DENSE],
+     [mx.ones((1, 1, 4, 8))] * 2, "projection.kind must be dense or token, projection.table false"),
 ])
-def test_bad_calls_are_refused_naming_the_problem(spec: list[int], arrays: list[mx.array],
+def test_bad_calls_are_refused_naming_the_problem(parts: list, arrays: list[mx.array],
                                                   message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        _call(_unprojected(spec), arrays)
+        _call(parts, arrays)
 
 
 @pytest.mark.parametrize("counts,message", [
     ([1, 1, 1, 1], "once per batch row"),  # two rows' parts for a batch of one
     ([1], "once per batch row"),
-    ([1, 2], "spec must describe the counted parts"),
+    ([1, 2], "parts must describe the counted parts"),
 ])
 def test_bad_part_counts_are_refused(counts: list[int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        _call(_unprojected([0, 0, 0, 0, 0, *NO_PLACE] * 2), [mx.ones((1, 1, 4, 8))] * 2,
-              counts)
-
+        _call([DENSE] * 2, [mx.ones((1, 1, 4, 8))] * 2, counts)
 
 
 def _token_call(codes: mx.array, scales: mx.array, biases: mx.array, threads: int = 1,
-                spec: list[int] | None = None, q_: mx.array | None = None) -> mx.array:
+                q_: mx.array | None = None) -> mx.array:
     """The op over one token part of 4-bit codes in groups of 32 (keys) and dense values."""
     H, n = codes.shape[1], codes.shape[2]
-    spec = spec or [1, 4, 32, 1, 0, *NO_PLACE, 0, 0, 0, 0, 0, *[0] * native.SPEC_INTS]
     q_ = mx.ones((1, H, 1, 64)) if q_ is None else q_
     return native._native.decode_attention(q_, [codes, scales, biases, mx.ones((1, H, n, 64))],
-                                           spec, [1, 1], threads)
+                                           [_part("token", 4, 32, biases=True), DENSE], [1, 1],
+                                           threads)
 
 
 def _past(a: mx.array) -> mx.array:
@@ -304,14 +337,14 @@ def _refusals() -> dict[str, tuple[Callable[[], mx.array], str]]:
     qt = q.quantize(mx.random.normal((1, 4, 2048, 64), key=mx.random.key(70)), 4, 32)
     c, s, z = qt.codes, qt.scales, qt.biases
     dense = mx.ones((1, 1, 4, 8))
-    rope = [0, 0, 0, 0, 0, 0, 0, native.ROTATE, *[0] * 5, *[0] * native.SPEC_INTS]
-    tabled = [1, 2, 32, 0, 1, *NO_PLACE, *[0] * 5, *[0] * native.SPEC_INTS]
+    rope = [_part(rotate=True), DENSE]
+    tabled = [_part("token", 2, 32, table=True), DENSE]
     small = q.quantize(mx.ones((1, 1, 4, 32)), 2, 32)
     return {
         # Scales and biases of a saved cache with fewer KV heads than its codes: the kernel
         # read past them (a segfault at these shapes).
         "scales of fewer heads": (lambda: _token_call(c, s[:, :2], z[:, :2]),
-                                  r"part 0 \(spec\[0:13\], key part 0\): arrays\[1\]: scales "
+                                  r"part 0 \(key part 0\): arrays\[1\]: scales "
                                   r"must be 4-D floats with the codes' batch and KV heads"),
         "integer biases": (lambda: _token_call(c, s, z.astype(mx.uint8)), "biases must be floats"),
         "signed codes": (lambda: _token_call(c.astype(mx.int32), s, z), "codes must be unsigned"),
@@ -324,19 +357,20 @@ def _refusals() -> dict[str, tuple[Callable[[], mx.array], str]]:
         "no threads": (lambda: _token_call(c, s, z, 0), "threads must be 1 to"),
         "a million threads": (lambda: _token_call(c, s, z, 10**6), "threads must be 1 to"),
         "a dense part with bits": (lambda: native._native.decode_attention(
-            mx.ones((1, 1, 1, 8)), [dense, dense], [0, 4, 0, 0, 0, *[0] * 8] * 2, [1, 1]),
-            "a dense part's bits, group, biases and table ints must be 0"),
-        "projection ints without a projection": (lambda: native._native.decode_attention(
-            mx.ones((1, 1, 1, 8)), [dense, dense], [0] * 8 + [1, 4, 32, 0, 0] + [0] * 13,
-            [1, 1]), "zeros in its projection's five ints"),
+            mx.ones((1, 1, 1, 8)), [dense, dense], [_part(bits=4)] * 2, [1, 1]),
+            r"form.bits must be 0 \(false\) for a dense part"),
+        "a projection with a table": (lambda: native._native.decode_attention(
+            mx.ones((1, 1, 1, 8)), [dense, dense],
+            [replace(DENSE, projection=native.Form(native.PartKind.token, 4, 32, table=True)),
+             DENSE], [1, 1]), "projection.table false"),
         "an output offset past any head": (lambda: native._native.decode_attention(
-            mx.ones((1, 1, 1, 8)), [dense, dense], [0] * 13 + [0, 0, 0, 0, 0, 0, 1 << 30] + [0] * 6,
-            [1, 1]), r"part 1 \(spec\[13:26\], value part 0\): offsets must be 0 to 65536"),
+            mx.ones((1, 1, 1, 8)), [dense, dense], [DENSE, _part(ooff=1 << 30)], [1, 1]),
+            r"part 1 \(value part 0\): ooff must be 0 to 65536"),
         "no counts": (lambda: native._native.decode_attention(mx.ones((1, 1, 1, 8)), [dense] * 2,
-                                                             [0] * 26, []), "counts must be"),
+                                                             [DENSE] * 2, []), "counts must be"),
         "scores of broadcast shapes": (lambda: native._native.decode_attention(
             mx.broadcast_to(mx.ones((1, 1, 1, 8)), (1, 1, 1 << 16, 8)),
-            [mx.broadcast_to(dense[:, :, :1], (1, 1, 1 << 15, 8))] * 2, [0] * 26, [1, 1]),
+            [mx.broadcast_to(dense[:, :, :1], (1, 1, 1 << 15, 8))] * 2, [DENSE] * 2, [1, 1]),
             "the scores .* must be at most 2"),
         "a broadcast table": (lambda: native._native.decode_attention(
             mx.ones((1, 1, 1, 32)), [small.codes, small.scales, mx.broadcast_to(mx.ones(1), (4,)),
@@ -567,7 +601,7 @@ def test_a_projection_must_match_its_part() -> None:
             (native.Placed(rows, project=proj, mean=mean[..., :32]),
              "mean must be floats"),
             (native.Placed(rows, project=proj, mean=mean, shift=mx.ones((B, H, 1, 1))),
-             "no shift or mass")]:
+             "shift and mass must be false for a projected part")]:
         with pytest.raises(ValueError, match=message):
             mx.eval(native.decode(queries, [placed], [DensePart(_normal(8, 48))]))
 

@@ -1,10 +1,11 @@
-"""Random calls of the fused CPU kernel's three entry points (``csrc/parts.cpp``): each is
+"""Random calls of the fused CPU kernel's three entry points (``csrc/``): each is
 refused with a ValueError or TypeError naming the problem, or, where it is valid, gives a
 finite result equal to MLX's ops on the same arrays; no call crashes the process.
 
 Hypothesis draws valid calls (shapes, dtypes, bit widths, group sizes, placements, strided
 views, thread counts, causal chunks) and perturbs most of them in one place (an axis, a
-dtype, a spec int, a count, a stride past the buffer), plus wholly random ones. The loop
+dtype, a field of a part's description, a count, a stride past the buffer), plus wholly
+random ones. The loop
 runs in a child process: a segfault fails the test instead of ending pytest, and the case
 that crashed is named. ``VELOXQUANT_FUZZ_CASES`` sets the number of cases (default 400),
 ``VELOXQUANT_FUZZ_SEED`` the seed."""
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,6 @@ from veloxquant_mlx.ops import native
 
 CASES = int(os.environ.get("VELOXQUANT_FUZZ_CASES", "400"))
 SEED = int(os.environ.get("VELOXQUANT_FUZZ_SEED", "20261206"))
-SPEC = native.SPEC_INTS
 FLOATS = [mx.float32, mx.float16, mx.bfloat16]
 ANY_DTYPES = [*FLOATS, mx.uint8, mx.uint16, mx.uint32, mx.int32, mx.int8, mx.bool_]
 ODD_INTS = [-1, 0, 1, 2, 3, 4, 5, 7, 8, 16, 31, 32, 33, 64, 65536, 65537, 2**31 - 1, -2**31]
@@ -69,9 +70,9 @@ def _grouped(lv: mx.array, s: mx.array, z: mx.array | None, group: int) -> mx.ar
     return g.reshape(lv.shape)
 
 
-def _stored_rows(sp: list[int], take: Any) -> mx.array:
+def _stored_rows(f: native.Form, take: Any) -> mx.array:
     """A stored form's rows [B, H, n, d] in float32, its arrays taken in the op's order."""
-    kind, bits, group, has_z, has_t = sp[:5]
+    kind, bits, group, has_z, has_t = f.kind, f.bits, f.group, f.biases, f.table
     a = take()
     if kind == 0:
         return a.astype(mx.float32)
@@ -99,21 +100,20 @@ def _rotated(x: mx.array, inv: mx.array, start: mx.array, pairs: bool) -> mx.arr
     return mx.concatenate([turned, x[..., 2 * half:]], axis=-1)
 
 
-def _placed_part(sp: list[int], take: Any) -> tuple[mx.array, mx.array | None, Any]:
+def _placed_part(sp: native.PartSpec, take: Any) -> tuple[mx.array, mx.array | None]:
     """A part's rows (projected and rotated as the op reads them) and its shift."""
-    x = _stored_rows(sp, take)
-    extras = sp[7]
-    shift = take() if extras & native.SHIFT else None
-    rot = (take(), take()) if extras & native.ROTATE else None
-    if extras & native.PROJECT:
-        p = _stored_rows(sp[8:], take)
+    x = _stored_rows(sp.form, take)
+    shift = take() if sp.shift else None
+    rot = (take(), take()) if sp.rotate else None
+    if sp.projection is not None:
+        p = _stored_rows(sp.projection, take)
         x = x @ p + take().astype(mx.float32)
     if rot is not None:
-        x = _rotated(x, *rot, bool(extras & native.PAIRS))
+        x = _rotated(x, *rot, sp.pairs)
     return x, shift
 
 
-def _reference(q: mx.array, arrays: list, spec: list[int], counts: list[int],
+def _reference(q: mx.array, arrays: list, parts: list[native.PartSpec], counts: list[int],
                causal: int) -> mx.array:
     """The op's result with MLX's ops: each row set's scores, softmax, placed values."""
     it = iter(arrays)
@@ -124,10 +124,10 @@ def _reference(q: mx.array, arrays: list, spec: list[int], counts: list[int],
         nk, nv = counts[2 * i], counts[2 * i + 1]
         scores, vals = [], []
         for j in range(first, first + nk + nv):
-            sp = spec[j * SPEC:(j + 1) * SPEC]
+            sp = parts[j]
             x, shift = _placed_part(sp, lambda: next(it))
             if j < first + nk:
-                sc = qi[..., sp[5]:sp[5] + x.shape[-1]] @ x.swapaxes(-1, -2)
+                sc = qi[..., sp.qoff:sp.qoff + x.shape[-1]] @ x.swapaxes(-1, -2)
                 scores.append(sc if shift is None else sc + shift)
             else:
                 vals.append((sp, x))
@@ -138,14 +138,14 @@ def _reference(q: mx.array, arrays: list, spec: list[int], counts: list[int],
             seen = S - causal + 1 + mx.arange(R) % causal
             sc = mx.where(mx.arange(S)[None] < seen[:, None], sc, -mx.inf)
         p = mx.softmax(sc, axis=-1)
-        width = max(sp[6] + x.shape[-1] + bool(sp[7] & native.MASS) for sp, x in vals)
+        width = max(sp.ooff + x.shape[-1] + sp.mass for sp, x in vals)
         out, t = mx.zeros((*p.shape[:3], width)), 0
         for sp, x in vals:
             pj = p[..., t:t + x.shape[2]]
             t += x.shape[2]
-            out[..., sp[6]:sp[6] + x.shape[-1]] += pj @ x
-            if sp[7] & native.MASS:
-                out[..., sp[6] + x.shape[-1]] += pj.sum(-1)
+            out[..., sp.ooff:sp.ooff + x.shape[-1]] += pj @ x
+            if sp.mass:
+                out[..., sp.ooff + x.shape[-1]] += pj.sum(-1)
         outs.append(out)
     return outs[0] if plans == 1 else mx.concatenate(outs, axis=0)
 
@@ -158,8 +158,8 @@ def _decoded(codes: mx.array, scales: mx.array, biases: mx.array, bits: int, gro
 
 def _expected(fn: str, args: list) -> mx.array:
     if fn == "decode_attention":
-        q, arrays, spec, counts, _, causal = args
-        return _reference(q, arrays, spec, counts, causal)
+        q, arrays, parts, counts, _, causal = args
+        return _reference(q, arrays, parts, counts, causal)
     if fn == "floats_of":
         codes, s, z, bits, group, _, plus = args
         return _decoded(codes, s, z, bits, group, plus)
@@ -206,14 +206,15 @@ def _codes(rng: np.random.Generator, shape: tuple, wide: bool) -> mx.array:
 
 
 def _stored(draw: Any, rng: np.random.Generator, kind: str, shape: tuple, bits: int,
-            plain: bool = False) -> tuple[list[int], list[mx.array]]:
+            plain: bool = False) -> tuple[native.Form, list[mx.array]]:
     """A stored form of rows [B, H, n, d] (channel: n tokens a multiple of 32 / bits):
-    its five spec ints and arrays."""
+    its description and arrays."""
     B, H, n, d = shape
     shared = H > 1 and draw(st.integers(0, 3)) == 0  # a low-rank factor every head reads
     if kind == "dense":
         x = _normal(rng, shape).astype(draw(st.sampled_from(FLOATS)))
-        return [0] * 5, [_view(x, "one head" if shared else draw(st.sampled_from(VIEWS)))]
+        return native.Form(native.PartKind.dense), \
+            [_view(x, "one head" if shared else draw(st.sampled_from(VIEWS)))]
     per, along = 32 // bits, d if kind == "token" else n
     group = draw(st.sampled_from([g for g in (per, 2 * per, 16, 32, 64, along)
                                   if g % per == 0 and along % g == 0 and g % (16 if plain else 1) == 0]))
@@ -236,7 +237,7 @@ def _stored(draw: Any, rng: np.random.Generator, kind: str, shape: tuple, bits: 
         arrays = [_view(a, "one head") for a in arrays]
     if has_t:
         arrays.append(_normal(rng, (2**bits,)))
-    return [{"token": 1, "channel": 2}[kind], bits, group, int(has_z), int(has_t)], arrays
+    return native.Form(native.PartKind[kind], bits, group, has_z, has_t), arrays
 
 
 def _tokens(draw: Any, kind: str, bits: int) -> int:
@@ -246,32 +247,30 @@ def _tokens(draw: Any, kind: str, bits: int) -> int:
 
 
 def _part(draw: Any, rng: np.random.Generator, role: str, B: int, H: int, R: int,
-          n: int, width: int, kind: str, bits: int) -> tuple[list[int], list[mx.array]]:
+          n: int, width: int, kind: str, bits: int) -> tuple[native.PartSpec, list[mx.array]]:
     """One key or value part of ``n`` tokens read at ``width`` dims (query or output):
     its stored form, maybe a projection (a rank-32 factor, its B and mean), a rotation
     (keys) and a score shift (keys, unprojected)."""
     project = kind != "channel" and draw(st.integers(0, 5)) == 0
     rotate = role == "key" and (kind == "dense" or project) and draw(st.integers(0, 3)) == 0
-    head, arrays = _stored(draw, rng, kind, (B, H, n, 32 if project else width), bits,
+    form, arrays = _stored(draw, rng, kind, (B, H, n, 32 if project else width), bits,
                            plain=rotate)
-    extras = 0
+    sp = native.PartSpec(form, rotate=rotate)
     if role == "key" and not project and draw(st.integers(0, 4)) == 0:
-        extras |= native.SHIFT
+        sp.shift = True
         arrays.append(_view(_normal(rng, (B, H, R, 1)), draw(st.sampled_from(VIEWS))))
     if rotate:
-        extras |= native.ROTATE | (native.PAIRS if draw(st.booleans()) else 0)
+        sp.pairs = draw(st.booleans())
         half = draw(st.sampled_from([width // 4, width // 2]))
         inv = mx.array((10000.0 ** -(np.arange(half) / half)).astype(np.float32))
         arrays += [inv.reshape(1, 1, 1, half),
                    mx.array([[[[draw(st.integers(0, 300))]]]], dtype=mx.int32)]
-    tail = [0] * 5
     if project:
-        extras |= native.PROJECT
         pkind = draw(st.sampled_from(["dense", "token"]))
-        tail, proj = _stored(draw, rng, pkind, (B, H, 32, width), draw(st.sampled_from([2, 4, 8])),
-                             plain=True)
+        sp.projection, proj = _stored(draw, rng, pkind, (B, H, 32, width),
+                                      draw(st.sampled_from([2, 4, 8])), plain=True)
         arrays += [*proj, _normal(rng, (B, H, 1, width), 0.3)]
-    return [*head, 0, 0, extras, *tail], arrays
+    return sp, arrays
 
 
 def _splits(rng: np.random.Generator, S: int, parts: int) -> list[int]:
@@ -282,15 +281,15 @@ def _splits(rng: np.random.Generator, S: int, parts: int) -> list[int]:
 def _attention_call(draw: Any, rng: np.random.Generator) -> list:
     B, H, R = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
     D, extra = draw(st.sampled_from([32, 64])), draw(st.sampled_from([0, 32]))
-    spec, arrays, S, placed_any = [], [], 0, False
+    parts, arrays, S, placed_any = [], [], 0, False
     for i in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(["dense", "token", "channel"]))
         bits = draw(st.sampled_from([1, 2, 4, 8]))
         n = max(_tokens(draw, kind, bits), int(i == 0 and kind != "channel"))
         at = D if extra and i and draw(st.booleans()) else 0  # placed past the head dims
         sp, arr = _part(draw, rng, "key", B, H, R, n, extra if at else D, kind, bits)
-        sp[5], placed_any = at, placed_any or at > 0
-        spec, arrays, S = spec + sp, arrays + arr, S + n
+        sp.qoff, placed_any = at, placed_any or at > 0
+        parts, arrays, S = parts + [sp], arrays + arr, S + n
     extra = extra if placed_any else 0  # else the parts read all the query dims
     n_values, ooff = draw(st.integers(1, 3)), D
     for n in _splits(rng, S, n_values):
@@ -299,18 +298,18 @@ def _attention_call(draw: Any, rng: np.random.Generator) -> list:
         sp, arr = _part(draw, rng, "value", B, H, R, n, 32 if placed else D, kind,
                         draw(st.sampled_from([1, 2, 4, 8])))
         if placed:
-            mass = not sp[7] & native.PROJECT and draw(st.booleans())
-            sp[6], sp[7] = ooff, sp[7] | (native.MASS if mass else 0)
-            ooff += 32 + mass
-        spec, arrays = spec + sp, arrays + arr
+            sp.mass = sp.projection is None and draw(st.booleans())
+            sp.ooff = ooff
+            ooff += 32 + sp.mass
+        parts, arrays = parts + [sp], arrays + arr
     q = _view(_normal(rng, (B, H, R, D + extra), 0.5), draw(st.sampled_from(VIEWS)))
-    counts = [len(spec) // SPEC - n_values, n_values]
+    counts = [len(parts) - n_values, n_values]
     causal = draw(st.sampled_from([0, *[c for c in range(1, R + 1) if R % c == 0 and c <= S]]))
     if B > 1 and draw(st.booleans()):  # each batch row its own parts: the same, cut apart
         rows = [[a[b:b + 1] if a.ndim == 4 and a.shape[0] == B else a for a in arrays]
                 for b in range(B)]
-        arrays, spec, counts = [a for r in rows for a in r], spec * B, counts * B
-    return ["decode_attention", [q, arrays, spec, counts, draw(st.integers(1, 3)), causal]]
+        arrays, parts, counts = [a for r in rows for a in r], parts * B, counts * B
+    return ["decode_attention", [q, arrays, parts, counts, draw(st.integers(1, 3)), causal]]
 
 
 def _floats_call(draw: Any, rng: np.random.Generator) -> list:
@@ -379,7 +378,7 @@ def _perturbed(draw: Any, rng: np.random.Generator, call: list) -> list:
     """The call with one thing changed: an array, an int, a list of ints or of arrays."""
     fn, args = call
     args = [list(a) if isinstance(a, list) else a for a in args]
-    what = draw(st.sampled_from(["array", "array", "array", "int", "ints", "arrays"]))
+    what = draw(st.sampled_from(["array", "array", "array", "int", "ints", "arrays", "part"]))
     ints = [i for i, a in enumerate(args) if isinstance(a, (int, float)) and a is not None]
     int_lists = [a for a in args if isinstance(a, list) and a and isinstance(a[0], int)]
     if what == "array":
@@ -398,6 +397,9 @@ def _perturbed(draw: Any, rng: np.random.Generator, call: list) -> list:
             del lst[i]
         else:
             lst.insert(i, draw(st.sampled_from(ODD_INTS)))
+    elif what == "part" and fn == "decode_attention" and args[2]:
+        i = draw(st.integers(0, len(args[2]) - 1))
+        args[2][i] = _odd_part(draw, args[2][i])
     elif fn == "decode_attention" and args[1]:
         i = draw(st.integers(0, len(args[1]) - 1))
         if draw(st.booleans()):
@@ -409,6 +411,33 @@ def _perturbed(draw: Any, rng: np.random.Generator, call: list) -> list:
     return [fn, args]
 
 
+ODD_VALUES = [*ODD_INTS, True, False, None, "4", 1.5, [4]]
+
+
+def _odd_part(draw: Any, part: native.PartSpec) -> Any:
+    """The part's description with one field changed (its own or its form's, a valid
+    value or one of the wrong type), or something that is no description."""
+    how = draw(st.sampled_from(["field", "field", "form", "projection", "other"]))
+    if how == "field":
+        name = draw(st.sampled_from([f.name for f in fields(native.PartSpec)][1:]))
+        return replace(part, **{name: draw(st.sampled_from(ODD_VALUES))})
+    if how in ("form", "projection") and isinstance(part, native.PartSpec):
+        form = getattr(part, how) or native.Form(native.PartKind.token, 4, 32)
+        name = draw(st.sampled_from([f.name for f in fields(native.Form)]))
+        return replace(part, **{how: replace(form, **{name: draw(st.sampled_from(ODD_VALUES))})})
+    return draw(st.sampled_from([None, 3, "part", part.form if part else None]))
+
+
+def _random_part(draw: Any) -> Any:
+    some = st.sampled_from(ODD_VALUES)
+    if draw(st.integers(0, 5)) == 0:
+        return draw(some)
+    form = native.Form(*[draw(some) for _ in fields(native.Form)])
+    projection = native.Form(*[draw(some) for _ in fields(native.Form)])
+    placed = [draw(some) for _ in fields(native.PartSpec)[1:-1]]
+    return native.PartSpec(form, *placed, projection if draw(st.booleans()) else None)
+
+
 def _random_call(draw: Any, rng: np.random.Generator) -> list:
     """Arrays of random shapes and dtypes, random ints: nearly always refused."""
     def arr(max_ndim: int = 5) -> mx.array:
@@ -418,8 +447,8 @@ def _random_call(draw: Any, rng: np.random.Generator) -> list:
     some = st.sampled_from(ODD_INTS)
     fn = draw(st.sampled_from(["decode_attention", "floats_of", "rms_rows"]))
     if fn == "decode_attention":
-        spec = draw(st.lists(some, min_size=0, max_size=3 * SPEC))
-        return [fn, [arr(), [arr() for _ in range(draw(st.integers(0, 5)))], spec,
+        parts = [_random_part(draw) for _ in range(draw(st.integers(0, 3)))]
+        return [fn, [arr(), [arr() for _ in range(draw(st.integers(0, 5)))], parts,
                      draw(st.lists(some, max_size=4)), draw(some), draw(some)]]
     if fn == "floats_of":
         return [fn, [arr(), arr(), arr(), draw(some), draw(some), draw(some),

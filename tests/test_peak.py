@@ -133,7 +133,7 @@ def test_cli_fit_parses_budgets_before_loading(monkeypatch: pytest.MonkeyPatch,
         (tmp_path / "fit.md").write_text("table")
         return {"files": {"json": "fit.json", "md": str(tmp_path / "fit.md")}}
 
-    monkeypatch.setattr("veloxquant_mlx.models.load", lambda path: (None, None))
+    monkeypatch.setattr("veloxquant_mlx.models.load", lambda path, dtype=None: (None, None))
     monkeypatch.setattr("veloxquant_mlx.eval.fit.run_fit", fake_fit)
     monkeypatch.setattr("veloxquant_mlx.eval.text.encode", lambda tok, text: [1, 2])
     args = cli.build_parser().parse_args(["bench", "--fit", "256MB,1MiB", "--fit-step",

@@ -80,7 +80,7 @@ def test_trimmed_reuse_equals_a_fresh_prefill(model: Any, method: str, case: int
                                               caplog: pytest.LogCaptureFixture) -> None:
     # A method the docs' table does not list yet (a new one: docs/developing.md) is held
     # to the rule itself: whatever it reuses equals a fresh prefill of that prefix.
-    config = KVCacheConfig(method, **get_method(method).small_options())
+    config = KVCacheConfig(method, **get_method(method).profile.small)
     n_shared, n_tail = CASES[case]
     shared, question = words(n_shared, 1), words(5, 9)
     prompt = shared + question
@@ -105,7 +105,7 @@ def test_the_shared_prefix_of_a_kivi_cache_holds_the_other_conversation(model: A
     """Why KIVI's long tail is refused: cut to the shared prefix, the kept caches of two
     conversations differ (a key group coded over the other tail's tokens) and neither is
     a fresh prefill's."""
-    config = KVCacheConfig("kivi", **get_method("kivi").small_options())
+    config = KVCacheConfig("kivi", **get_method("kivi").profile.small)
     shared, question = words(48, 1), words(5, 9)
     outs = []
     for seed in (2, 3):
@@ -176,7 +176,7 @@ def test_a_prefix_entry_stays_unless_the_longer_cache_reproduces_it(
         model: Any, method: str, reproduced: bool) -> None:
     """mlx_lm drops the entries of a trimmable cache's prefixes when it is kept; a prefix
     that the longer cache cannot be cut to exactly keeps its own entry, and is reused."""
-    config = KVCacheConfig(method, **get_method(method).small_options())
+    config = KVCacheConfig(method, **get_method(method).profile.small)
     shared, question = words(48, 1), words(5, 9)
     pool = CompressedPromptCache(Provider(model), config)
     pool.insert_cache(KEY, shared, kept_cache(model, config, shared))

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from veloxquant_mlx.cache.base import NotTrimmableError
+from veloxquant_mlx.cache.kept import DenseBuffer, KeptForm, Ring, keep_chosen
 from veloxquant_mlx.cache.segments import (
     ChannelCodes,
     Dense,
@@ -123,3 +125,86 @@ def test_state_order_must_name_every_segment() -> None:
     form = StoredForm([a], [b], state_order=[b, a])
     with pytest.raises(ValueError, match="takes 2"):
         form.load([None])
+
+
+# ---- what eviction keeps (``cache.kept``) ----
+chunks = st.lists(st.tuples(st.integers(1, 9), st.booleans()), min_size=1, max_size=12)
+
+
+@pytest.mark.parametrize("kind", ["dense", "token"])
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(steps=chunks)
+def test_a_ring_keeps_the_first_and_the_most_recent_tokens(
+        kind: str, steps: list[tuple[int, bool]]) -> None:
+    keep, size = 2, 5
+
+    def make() -> Ring:
+        return Ring(DenseBuffer(D) if kind == "dense" else TokenCodes(4, 32, D), keep, size)
+
+    ring, seen = make(), []
+    for seed, (k, reload) in enumerate(steps):
+        x = _tokens(k, seed)
+        ring.append(x)
+        seen.append(_roundtrip(kind, x))
+        if reload:  # saved in time order, loaded at slot 0
+            loaded = make()
+            loaded.load(ring.state())
+            ring = loaded
+        whole = mx.concatenate(seen, axis=2)
+        n = whole.shape[2]
+        want = whole if n <= keep + size else mx.concatenate(
+            [whole[:, :, :keep], whole[:, :, n - size:]], axis=2)
+        assert ring.n == want.shape[2]
+        assert mx.array_equal(ring.dense(mx.float32), want).item()
+        assert ring.accounted(B, H) == sum(a.nbytes for a in ring.arrays())
+
+
+def test_a_full_ring_takes_a_token_in_place_over_the_oldest() -> None:
+    ring = Ring(DenseBuffer(D), 1, 3)
+    ring.append(_tokens(4, 0))
+    held = ring.arrays()[0]
+    x = _tokens(1, 1)
+    ring.append(x)
+    assert ring.arrays()[0] is held and ring.start == 1  # written in place
+    assert mx.array_equal(held[:, :, 1:2], x).item()
+    assert mx.array_equal(ring.dense(mx.float32)[:, :, -1:], x).item()  # time order
+
+
+def test_keep_chosen_gathers_each_heads_tokens_and_keeps_the_rest() -> None:
+    seg = DenseBuffer(D)
+    x = _tokens(12, 3)
+    seg.append(x[:, :, :7])
+    seg.append(x[:, :, 7:])
+    idx = mx.array([[[0, 3], [1, 4]]])  # per head, of tokens 2:8
+    keep_chosen(seg, idx, 2, 8)
+    got = seg.dense(mx.float32)
+    assert got.shape[2] == 2 + 2 + 4 and seg.buf.slots == seg.n  # no reserve
+    assert mx.array_equal(got[:, :, :2], x[:, :, :2]).item()
+    assert mx.array_equal(got[0, 0, 2:4], x[0, 0, mx.array([2, 5])]).item()
+    assert mx.array_equal(got[0, 1, 2:4], x[0, 1, mx.array([3, 6])]).item()
+    assert mx.array_equal(got[:, :, 4:], x[:, :, 8:]).item()
+
+
+def test_a_kept_form_saves_what_it_holds_and_refuses_to_cut_pinned_tokens() -> None:
+    k, v, aside = DenseBuffer(D), DenseBuffer(D), Dense()
+    form = KeptForm([k], [v], aside=[aside], optional=[k, v, aside])
+    assert form.state() == []  # empty: no entries, as the layout always saved it
+    x = _tokens(10, 4)
+    k.append(x)
+    v.append(x)
+    assert len(form.state()) == 2
+    aside.set(x[:, :, -3:], copy=True)
+    assert len(form.state()) == 3 and form.arrays()[-1] is aside.x
+    segs = DenseBuffer(D), DenseBuffer(D), Dense()
+    other = KeptForm([segs[0]], [segs[1]], aside=[segs[2]], optional=segs)
+    other.load(form.state()[:2])  # a layout without the aside entry still loads
+    assert other.tokens() == (10, 10) and other.aside[0].n == 0
+    form.trim(2)  # the aside segment follows the end of the stream
+    assert form.tokens() == (8, 8) and aside.n == 1
+    form.pinned = (6, "only {tail} of {n} (pinned {pinned})")
+    with pytest.raises(NotTrimmableError, match=r"only 2 of 3 \(pinned 6\)"):
+        form.trim(3)
+    form.trim(2)
+    assert form.tokens() == (6, 6) and aside.n == 0
+    with pytest.raises(ValueError, match="takes 3"):
+        form.load([None, None, None, None])

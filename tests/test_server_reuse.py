@@ -108,7 +108,7 @@ def fresh_tokens(model: Any, config: KVCacheConfig, segments: list[list[int]],
 
 # ---- (a), (b): reused caches give the tokens of fresh caches ----
 def test_reused_turns_and_conversations_match_fresh_caches(model: Any, method: str) -> None:
-    config = KVCacheConfig(method, **get_method(method).lossless_options())
+    config = KVCacheConfig(method, **get_method(method).profile.lossless)
     pool, gen = pool_for(model, config), generator(model)
     first = [SYSTEM, words(10, 1)]
     answer, reused, kept = turn(pool, gen, first)
@@ -133,10 +133,10 @@ def test_reused_turns_and_conversations_match_fresh_caches(model: Any, method: s
 
 
 def test_a_copy_does_not_share_coordinator_state(model: Any) -> None:
-    cross = [m for m, c in methods().items() if c.cross_layer]
+    cross = [m for m, c in methods().items() if c.profile.cross_layer]
     assert cross
     for method in cross:
-        config = KVCacheConfig(method, **get_method(method).lossless_options())
+        config = KVCacheConfig(method, **get_method(method).profile.lossless)
         pool = pool_for(model, config)
         _, _, kept = turn(pool, generator(model), [SYSTEM, words(10, 1)])
         entry = pool._trie.get(KEY, kept).prompt_cache
@@ -226,7 +226,7 @@ def test_entry_and_byte_limits_evict_least_recently_used(model: Any) -> None:
 # ---- (d): a cache that cannot trim is reused only on an exact extension ----
 def test_non_trimmable_cache_is_reused_only_on_exact_extension(model: Any) -> None:
     # StreamingLLM with a 16-token window: past it, the cache has evicted tokens.
-    config = KVCacheConfig("streaming", **get_method("streaming").small_options())
+    config = KVCacheConfig("streaming", **get_method("streaming").profile.small)
     pool, gen = pool_for(model, config), generator(model)
     prompt = [1] + words(39, 1)
     _, _, kept = turn(pool, gen, [prompt])
@@ -335,10 +335,10 @@ def paired_kl(model: Any, config: KVCacheConfig, first: list[int], answer: list[
 
 
 def test_paired_kl_is_zero_at_lossless_settings(model: Any) -> None:
-    config = KVCacheConfig("affine", **get_method("affine").lossless_options())
+    config = KVCacheConfig("affine", **get_method("affine").profile.lossless)
     kl = paired_kl(model, config, words(12, 1), words(4, 2), words(6, 3), words(5, 4), 8)
     assert abs(kl) < 1e-6
-    lossy = paired_kl(model, KVCacheConfig("kivi", **{**get_method("kivi").small_options(),
+    lossy = paired_kl(model, KVCacheConfig("kivi", **{**get_method("kivi").profile.small,
                                                        "bits": 2}),
                       words(40, 1), words(4, 2), words(6, 3), words(5, 4), 16)
     assert lossy > 1e-6  # the measurement sees a difference where there is one

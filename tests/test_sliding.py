@@ -34,7 +34,7 @@ WINDOW = 16  # the tiny gemma3_text's sliding window
 
 
 @cache
-def _gemma() -> tuple[nn.Module, nn.Module]:
+def _gemma(precision: str = "float32") -> tuple[nn.Module, nn.Module]:
     return tiny_model("gemma3_text"), tiny_model("gemma3_text", seed=1)
 
 

@@ -17,8 +17,9 @@ from veloxquant_mlx import (
 )
 from veloxquant_mlx.adapter.retained import measure_retained
 from veloxquant_mlx.apps.prompt_cache import trim_prompt_cache
-from veloxquant_mlx.cache import kvstore as ks
+from veloxquant_mlx.cache import kept as kp
 from veloxquant_mlx.cache.base import NotTrimmableError
+from veloxquant_mlx.cache.segments import CodebookCodes
 from veloxquant_mlx.config import ConfigError
 from veloxquant_mlx.testing.tiny import tiny_model
 
@@ -66,18 +67,18 @@ def test_streaming_store_chunking_and_band(model) -> None:
         got, caches = _run(model, spec, chunk=chunk)
         assert mx.abs(got - ref).max().item() < 0.03, chunk
         c = caches[0]
-        assert ks.tokens(c.sink_kv) == 4 and ks.tokens(c.win) == 24 and c.fresh is None
+        assert c.sinks[0].n == 4 and c.ring[0].n == 24 and c.fresh[0].n == 0
 
 
 def test_sinks_stay_exact_and_the_rest_is_coded(model) -> None:
     _, caches = _run(model, "streaming:sink=4,window=40,store=codebook,k_bits=2,v_bits=2")
     c = caches[1]
-    assert c.sink_kv[0].dtype == mx.float16 and ks.tokens(c.sink_kv) == 4
-    assert c.win[0].dtype == mx.uint8  # bit planes
+    assert c.sinks[0].x.dtype == mx.float16 and c.sinks[0].n == 4
+    assert c.ring[0].held[0].dtype == mx.uint8  # codes
     _, caches = _run(model, "snapkv:capacity=40,window=8,store=affine,k_bits=4,v_bits=4")
     c = caches[1]
-    assert ks.tokens(c.sink_kv) == 4 and c.codes.n == 40 + 8 + len(FOLLOW) - 1
-    assert c.codes.arrays[0].dtype == mx.uint32 and c.kbuf is None
+    assert c.sinks[0].n == 4 and c.codes[0].n == 40 + 8 + len(FOLLOW) - 1
+    assert c.codes[0].buf.arrays[0].dtype == mx.uint32 and c.held[0].n == 0
 
 
 def test_real_bytes_of_stacks_within_declared(model) -> None:
@@ -114,9 +115,7 @@ PLANES_SPECS = ["streaming:sink=4,window=40,store=codebook,k_bits=4,v_bits=2",
 
 def _coded_ranks(caches) -> set[int]:
     """ndim of every code array held (bit planes of a 4- or 2-bit width: 5, bytes: 4)."""
-    blocks = [getattr(c, "win", None) or getattr(getattr(c, "codes", None), "arrays", None)
-              for c in caches]
-    return {a.ndim for b in blocks if b for a in b if a.dtype == mx.uint8}
+    return {a.ndim for c in caches for a in c.stored.arrays() if a.dtype == mx.uint8}
 
 
 @pytest.mark.parametrize("spec", PLANES_SPECS)
@@ -133,7 +132,7 @@ def test_a_store_saved_in_bit_planes_loads_and_goes_on_in_planes(
     """Caches saved before byte packing: loaded, they code new tokens as they were
     coded (a mix would not concatenate) and continue as the cache that saved them."""
     with monkeypatch.context() as m:
-        m.setattr(ks, "_codec", lambda kind, bits, g, dim: ks.CodebookCodes(
+        m.setattr(kp, "store_codes", lambda opts, bits, dim: CodebookCodes(
             bits, dim, packing="planes"))
         _, caches = _run(model, spec, follow=(5,))
     assert _coded_ranks(caches) == {5}
@@ -175,7 +174,7 @@ def test_streaming_trims_exactly_until_it_evicts(model, store: str) -> None:
     _, full = _run(model, spec, follow=(5, 9, 17, 33, 40))  # 105 tokens: one evicted
     with pytest.raises(NotTrimmableError, match="not trimmable"):
         trim_prompt_cache(full, 1)
-    with pytest.raises(NotTrimmableError, match="not trimmable after eviction"):
+    with pytest.raises(NotTrimmableError, match="not trimmable"):
         full[0].trim(1)
 
 

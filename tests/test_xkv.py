@@ -87,7 +87,7 @@ def test_rank_larger_than_group_width_keeps_the_width(model):
     tokens = _tokens(1, n=140)
     ref = _run(model, make_prompt_cache(model), tokens, 128)
     out = _run(model, caches, tokens, 128)
-    assert all(b.parts["keys"][2] == 64 for c in caches for b in c.bases)
+    assert all(rk == 64 for c in caches for _, rk, _ in c.bases)
     assert mx.abs(out - ref).max().item() < 0.1  # full width: nothing lost
 
 
@@ -127,7 +127,7 @@ def test_contiguous_groups_one_coordinator(model):
 # ---- behaviour ----
 def _rows(c, stream="keys"):
     """Token factor rows the leader ``c`` holds (all bases)."""
-    return sum(fr.rows_count(r) for r in c.shared[stream])
+    return sum(fr.rows_count(r) for r in c.factors[stream].rows.rows)
 
 
 @pytest.mark.parametrize("pre_rope,batch", [(True, 2), (False, 1)])
@@ -148,13 +148,14 @@ def _manual_kv(c):
     """Keys/values of ``c`` rebuilt here from what it stores (sinks, each basis's rows
     and member factors, window), independently of the cache's own code."""
     info, H = c.layer, c.layer.n_kv_heads
-    ks, vs = [c.sink_k.astype(mx.float32)], [c.sink_v.astype(mx.float32)]
-    for j, basis in enumerate(c.bases):
-        end = c.bases[j + 1].start if j + 1 < len(c.bases) else c.win_start
+    ks, vs = ([s.x.astype(mx.float32)] for s in c.sinks)
+    starts = [start for start, _, _ in c.bases]
+    for j, start in enumerate(starts):
+        end = starts[j + 1] if j + 1 < len(starts) else c.win_start
         out = []
         for stream in ("keys", "values"):
-            a = fr.load_rows(c.leader.shared[stream][j])[:, :end - basis.start]
-            own, mean, _ = basis.parts[stream]
+            a = fr.load_rows(c.leader.factors[stream].rows.rows[j])[:, :end - start]
+            own, mean = c.factors[stream].bases[j].own, c.factors[stream].bases[j].mean
             b = own.astype(mx.float32) if not hasattr(own, "codes") else \
                 mx.dequantize(own.codes, own.scales.astype(mx.float32),
                               own.biases.astype(mx.float32), group_size=own.group_size,
@@ -164,11 +165,11 @@ def _manual_kv(c):
         k, v = out
         if c.pre_rope:
             k = mx.fast.rope(k, info.rope_dims, traditional=info.rope_traditional,
-                             base=info.rope_base, scale=info.rope_scale, offset=basis.start)
+                             base=info.rope_base, scale=info.rope_scale, offset=start)
         ks.append(k)
         vs.append(v)
-    ks.append(c.win_k.astype(mx.float32))
-    vs.append(c.win_v.astype(mx.float32))
+    ks.append(c.windows[0].x.astype(mx.float32))
+    vs.append(c.windows[1].x.astype(mx.float32))
     return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
 
 
@@ -181,7 +182,7 @@ def test_attend_matches_dense_kernel(model, pre_rope):
                                                   pre_rope=pre_rope, sink=3))
     _run(model, caches, tokens, 2 * REFIT + 40, chunk=64)
     c = caches[1]
-    assert len(c.bases) == 2 and c.n_sink == 3 and c.win_k is not None
+    assert len(c.bases) == 2 and c.n_sink == 3 and c.windows[0].n
     k, v = _manual_kv(c)
     assert k.shape[2] == c.offset
     q = mx.random.normal((1, 4, 3, 32))
@@ -207,8 +208,8 @@ def test_low_rank_compresses_and_accounting_matches(model):
     assert _rel_err(forgetful, ref) > 0.4
     for c in caches:
         # Nothing full-size: the window holds only tokens not yet compressed.
-        assert c.win_k.shape[2] == c.offset - c.win_start < BLOCK
-        rows = {id(a) for segs in c.shared.values() for r in segs for a in fr.rows_arrays(r)}
+        assert c.windows[0].n == c.offset - c.win_start < BLOCK
+        rows = {id(a) for f in c.factors.values() for a in f.rows.entries()}
         assert all(a.shape[-2] <= 2 * BLOCK for a in c.held_arrays()
                    if a.ndim >= 2 and id(a) not in rows)
         # The token factor: one row of rank 8 (coded in one group of 32) per token.
@@ -220,7 +221,8 @@ def test_shared_token_factor_held_once(model):
     caches = KVCacheBuilder.for_model(model, _cfg(rank_k=8, rank_v=8))
     _run(model, caches, tokens, 64)
     leader, member = caches[0], caches[1]
-    assert _rows(leader) and not any(member.shared.values())
+    assert _rows(leader) and not any(f.holder for f in member.factors.values())
+    assert all(member.factors[s].rows is leader.factors[s].rows for s in ("keys", "values"))
     ids_leader = {id(a) for a in leader.held_arrays()}
     assert not ids_leader & {id(a) for a in member.held_arrays()}
     # The member's bytes are its own factors + means + window only.
@@ -293,6 +295,59 @@ def test_state_roundtrip(model):
     q = mx.random.normal((1, 4, 1, 32))
     for old, new in zip(caches, fresh):
         assert mx.allclose(old.attend(q, 0.2), new.attend(q, 0.2), atol=1e-5).item()
+
+
+def test_state_keeps_the_saved_layout(model):
+    """Sinks and windows, each basis's member factor and mean (keys, then values), then
+    the leader's token factor rows (keys, then values): the order earlier files have."""
+    tokens = _tokens(1, n=2 * REFIT + 40)
+    caches = KVCacheBuilder.for_model(model, _cfg(block=REFIT, rank_k=12, rank_v=12,
+                                                  factor_bits=8, sink=3))
+    _run(model, caches, tokens, 2 * REFIT + 20, chunk=64)
+    leader, member = caches[0], caches[1]
+    assert len(leader.bases) == 2
+    for c in (leader, member):
+        state = c.state
+        assert [state[i] is s.x for i, s in enumerate((*c.sinks, *c.windows))] == [True] * 4
+        fk, fv = c.factors["keys"], c.factors["values"]
+        own = [a for bk, bv in zip(fk.bases, fv.bases) for a in bk.entries() + bv.entries()]
+        assert all(a is b for a, b in zip(state[4:4 + len(own)], own))
+        rows = [a for f in (fk, fv) for r in f.rows.rows for a in fr.rows_arrays(r)]
+        assert state[4 + len(own):] == (rows if c is leader else [])
+    # codes, scales, biases and the mean per basis and stream; 3 arrays per rows entry
+    assert len(leader.state) == 4 + 2 * 2 * 4 + 2 * 2 * 3 and len(member.state) == 4 + 16
+
+
+def test_restore_refuses_sinks_that_disagree_with_the_saved_count(model):
+    tokens = _tokens(1, n=75)
+    cfg = _cfg(rank_k=16, rank_v=16, sink=4)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    _run(model, caches, tokens, 64)
+    old = caches[1]
+    meta = list(old.meta_state)
+    meta[3] = "2"  # the saved sink count
+    new = XKVCache.from_saved(cfg, old.layer, old.state, tuple(meta))
+    with pytest.raises(ValueError, match="sink tokens held"):
+        new.check_state()
+    XKVCache.from_saved(cfg, old.layer, old.state, old.meta_state).check_state()
+    meta[2] = str(old.offset + 1)  # the window would start after the last token
+    with pytest.raises(ValueError, match="out of order"):
+        XKVCache.from_saved(cfg, old.layer, old.state, tuple(meta))
+
+
+def test_trim_waits_for_the_group_to_finish_its_pass(model):
+    from veloxquant_mlx.cache.base import NotTrimmableError
+
+    caches = KVCacheBuilder.for_model(model, _cfg(rank_k=8, rank_v=8))
+    _run(model, caches, _tokens(1, n=40), 40)
+    leader, member = caches[0], caches[1]
+    k = mx.random.normal((1, 2, 32, 32))
+    leader.update_and_fetch(k, k)  # publishes a step the member has not yet
+    assert leader.pending and not leader.is_trimmable()
+    with pytest.raises(NotTrimmableError):
+        leader.trim(1)
+    member.update_and_fetch(k, k)
+    assert leader.is_trimmable() and leader.trim(1) == 1 and not leader.pending
 
 
 def test_wrong_shape_input(model):
@@ -382,13 +437,13 @@ def test_sinks_stay_exact_and_outside_the_svd(model):
     caches = KVCacheBuilder.for_model(model, _cfg(block=FULL, sink=3, rank_k=8, rank_v=8))
     _run(model, caches, tokens, FULL + 40)
     for c, d in zip(caches, dense):
-        assert c.n_sink == 3 and c.bases[0].start == 3
+        assert c.n_sink == 3 and c.bases[0][0] == 3
         # Layer 0's inputs are dense's exactly; later layers' differ by attention
         # rounding only (the 3 sinks hold 3 tokens' keys/values as received).
         same = mx.array_equal if c.layer.layer_idx == 0 else \
             (lambda a, b: mx.allclose(a, b, atol=1e-2))
-        assert same(c.sink_k, d.keys[:, :, :3].astype(mx.float16)).item()
-        assert same(c.sink_v, d.values[:, :, :3].astype(mx.float16)).item()
+        assert same(c.sinks[0].x, d.keys[:, :, :3].astype(mx.float16)).item()
+        assert same(c.sinks[1].x, d.values[:, :, :3].astype(mx.float16)).item()
     # A sink token far from the others (as real sinks are) costs the others their fit
     # when it goes into the SVD: it takes a direction and shifts the mean.
     x = _subspace_tokens(96, 4, seed=2)
@@ -411,10 +466,10 @@ def test_a_basis_per_prompt_block_fits_later_tokens():
     refit = _single_layer(block=64, rank_k=4, rank_v=4)
     _feed(refit, x, 64)  # prompt chunks of 64 ...
     refit.update_and_fetch(mx.zeros((1, 1, 1, 32)), mx.zeros((1, 1, 1, 32)))  # ... its end
-    assert refit.refit and [b.start for b in refit.bases] == [0, 64]
+    assert refit.refit and [b[0] for b in refit.bases] == [0, 64]
     once = _single_layer(block=63, rank_k=4, rank_v=4)
     _feed(once, x, 64)
-    assert not once.refit and [b.start for b in once.bases] == [0]
+    assert not once.refit and [b[0] for b in once.bases] == [0]
     k_refit = refit.dense_kv(mx.float32)[0][0, 0, :128]
     assert (mx.linalg.norm(k_refit - x) / mx.linalg.norm(x)).item() < 1e-2
     assert _err(once, x[:once.offset]) > 0.3
@@ -424,17 +479,17 @@ def test_prompt_rest_gets_a_basis_at_the_end_of_the_prompt():
     x = _subspace_tokens(64 + 40, 4, seed=5)
     c = _single_layer(block=64, rank_k=4, rank_v=4)
     _feed(c, x, 52)  # chunks of 52 (prompt), then the rest (52) ...
-    assert [b.start for b in c.bases] == [0] and c.win_start == 64
+    assert [b[0] for b in c.bases] == [0] and c.win_start == 64
     tail = mx.zeros((1, 1, 1, 32))
     c.update_and_fetch(tail, tail)  # ... ends: 40 tokens >= block / 2 get a basis
     c._settle_group()
-    assert [b.start for b in c.bases] == [0, 64] and c.win_start == 105
+    assert [b[0] for b in c.bases] == [0, 64] and c.win_start == 105
     # Decode tokens then go to the latest basis in steps of 32.
     for _ in range(32):
         c.update_and_fetch(tail, tail)
     c._settle_group()
-    assert [b.start for b in c.bases] == [0, 64] and c.win_start == 137
-    assert fr.rows_count(c.shared["keys"][1]) == 137 - 64
+    assert [b[0] for b in c.bases] == [0, 64] and c.win_start == 137
+    assert fr.rows_count(c.factors["keys"].rows.rows[1]) == 137 - 64
 
 
 # ---- trimming ----
@@ -493,7 +548,7 @@ def test_tune_grid_spans_the_compression_range():
                        num_key_value_heads=2, head_dim=64)
     prompt = [(i * 37 + 11) % 120 + 1 for i in range(512)]
     ratios = []
-    for opts in XKVCache.tune_grid(len(prompt)):
+    for opts in XKVCache.profile.tune_grid(len(prompt)):
         caches = KVCacheBuilder.for_model(model, KVCacheConfig("xkv", **opts))
         run_prefill(model, caches, prompt, chunk=128)
         model(mx.array([[5]]), cache=caches)  # the prompt's end: one basis over it

@@ -8,6 +8,7 @@ from conftest import prefill, prefill_then_decode
 from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
+from veloxquant_mlx.cache.layer_inputs import CrossLayerDeltas, LayerInputForm
 from veloxquant_mlx.cache.xquant import XQuantCache, XQuantCLCache
 from veloxquant_mlx.cache.xquant_coordinator import XQuantCoordinator
 from veloxquant_mlx.cache.xquant_hook import (
@@ -16,6 +17,7 @@ from veloxquant_mlx.cache.xquant_hook import (
     x_hook_installed,
 )
 from veloxquant_mlx.config import ConfigError, KVCacheConfig
+from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.testing.tiny import tiny_model
 
 
@@ -27,7 +29,7 @@ def hook(model, latent: bool = True):
 
 def stored_bytes(caches) -> int:
     """Bytes of the per-token storage (without the hook's fixed projection factors)."""
-    return sum(a.nbytes for c in caches for a in c.stored_arrays())
+    return sum(a.nbytes for c in caches for a in c.stored.arrays())
 
 
 def _rel_err(a: mx.array, b: mx.array) -> float:
@@ -67,7 +69,7 @@ def test_held_matches_accounted_and_no_full_size_copy(llama):
             assert s["tokens"] == 70
             assert abs(s["held_bytes"] - s["accounted_bytes"]) <= 0.05 * s["accounted_bytes"]
             # Only uint32 codes, fp16 scales/biases and the small window are held.
-            for a in c.stored_arrays():
+            for a in c.stored.arrays():
                 assert a.dtype in (mx.uint32, mx.float16)
         st = cache_stats(caches)
         assert st["held_bytes"] < 0.6 * st["fp16_bytes"]
@@ -78,7 +80,7 @@ def test_window_keeps_recent_tokens_in_full_precision(llama):
     caches = KVCacheBuilder.for_model(llama, KVCacheConfig(method="xquant", window=8))
     prefill_then_decode(llama, caches, tokens, 20)
     c = caches[0]
-    assert c.n_window() == 8 and c.codes[0].codes.shape[1] == 22
+    assert c.stored.n_recent == 8 and c.stored.codes[0].qt.codes.shape[1] == 22
     ref = llama(tokens, cache=make_prompt_cache(llama))
     err_w = _rel_err(prefill_then_decode(llama, KVCacheBuilder.for_model(
         llama, KVCacheConfig(method="xquant", bits=2, window=32)), tokens, 20), ref)
@@ -108,9 +110,9 @@ def test_latent_space_for_gqa():
     # Per token the latents hold half of what X takes; the hook's projection factors
     # (V and S of each stream, 2 x (32 x 32 + 32) float32 per layer) are counted apart.
     assert stored_bytes(lat) < 0.6 * stored_bytes(full)
-    assert all(sum(a.nbytes for a in c.installed_arrays()) == 2 * (32 * 32 + 32) * 4
+    assert all(sum(a.nbytes for a in c.shared_arrays()) == 2 * (32 * 32 + 32) * 4
                for c in lat)
-    assert all(not c.installed_arrays() for c in full)  # views of the model's weights
+    assert all(not c.shared_arrays() for c in full)  # views of the model's weights
 
 
 def test_two_settings_on_one_model_each_attend_their_own_form():
@@ -147,7 +149,7 @@ def test_hook_is_reversible_and_falls_through(llama):
     # Plain KVCache: the hooked layers run the original attention.
     assert mx.array_equal(llama(tokens, cache=make_prompt_cache(llama)), ref).item()
     assert sorted(llama.layers[0].self_attn.parameters()) == params  # weights untouched
-    XQuantCache.detach(llama)
+    XQuantCache.profile.detach(llama)
     assert not x_hook_installed(llama) and type(llama.layers[0].self_attn) is cls
     assert mx.array_equal(llama(tokens, cache=make_prompt_cache(llama)), ref).item()
 
@@ -166,9 +168,9 @@ def test_trim_and_state_roundtrip(llama):
     c = caches[1]
     clone = XQuantCache(c.config, c.layer)
     clone.state, clone.meta_state = c.state, c.meta_state
-    assert clone.offset == 30 and clone.nbytes == c.nbytes and clone.n_window() == 4
-    assert c.trim(6) == 6 and c.offset == 24 and c.n_window() == 0
-    assert c.codes[0].codes.shape[1] == 24
+    assert clone.offset == 30 and clone.nbytes == c.nbytes and clone.stored.n_recent == 4
+    assert c.trim(6) == 6 and c.offset == 24 and c.stored.n_recent == 0
+    assert c.stored.codes[0].qt.codes.shape[1] == 24
 
 
 @pytest.mark.parametrize("method,kwargs", [("xquant", {}), ("xquant", {"window": 8}),
@@ -185,14 +187,14 @@ def test_trim_continues_as_a_fresh_cache(llama, method, kwargs, cut):
     cfg = KVCacheConfig(method=method, **kwargs)
     caches = KVCacheBuilder.for_model(llama, cfg)
     prefill_then_decode(llama, caches, tokens[:, :30], 20)
-    held = [c.stored_arrays() for c in caches]
+    held = [c.stored.arrays() for c in caches]
     dense = [c.dense_kv() for c in caches] if method == "xquant" else None
     assert all(c.is_trimmable() and c.trim(cut) == cut for c in caches)
     keep = 30 - cut
     for i, (c, before) in enumerate(zip(caches, held)):
-        after = c.stored_arrays()
+        after = c.stored.arrays()
         assert c.offset == keep and sum(a.nbytes for a in after) < sum(a.nbytes for a in before)
-        codes = c.codes[0].codes
+        codes = c.stored.codes[0].qt.codes
         assert mx.array_equal(codes, before[0][:, :codes.shape[1]]).item()
         if dense is not None:
             # Rebuilt from the same codes; a matmul over fewer rows may round differently.
@@ -389,7 +391,7 @@ def test_tune_grid_spans_the_compression_range(cls):
                        num_key_value_heads=2, head_dim=64)
     tokens = mx.random.randint(0, 128, (1, 64), key=mx.random.key(11))
     ratios = []
-    for opts in cls.tune_grid(2048):
+    for opts in cls.profile.tune_grid(2048):
         caches = KVCacheBuilder.for_model(model, KVCacheConfig(cls.method, **opts))
         model(tokens, cache=caches)
         ratios.append(stored_bytes(caches) / cache_stats(caches)["fp16_bytes"])
@@ -405,15 +407,89 @@ def test_values_past_float16_get_float32_scales(scale: float, dtype: mx.Dtype) -
     # Gemma 3's residual stream reaches about 1e5: with float16 biases (group minima)
     # the codes decode to inf and the logits to NaN. The first values a cache codes
     # decide its scale dtype; its declared bytes follow.
-    from veloxquant_mlx.cache.base import LayerInfo
-    from veloxquant_mlx.ops import quantize as q
-
-    c = XQuantCache(KVCacheConfig("xquant", bits=8), LayerInfo())
+    form = LayerInputForm(8, 32)
     x = mx.random.normal((1, 8, 64), key=mx.random.key(0)) * scale
-    codes = c._quantize(x)
-    assert c.scale_dtype == dtype and codes.scales.dtype == dtype
-    back = q.dequantize(codes)
+    form.append([x])
+    codes = form.codes[0].qt
+    assert codes.scales.dtype == dtype
+    back = form.rows()
     assert mx.isfinite(back).all().item()
     assert (mx.abs(back - x).max() / mx.abs(x).max()).item() < 0.01
-    c.codes, c.widths = [codes], (64,)
-    assert c._scale_bytes() == dtype.size
+    assert form.accounted(1) == 8 * q.quantized_bytes(64, 8, 32, dtype.size)
+    # Later values keep the dtype the first ones decided (one scale dtype per layer).
+    form.append([mx.ones((1, 2, 64)) * (1e5 if scale == 1.0 else 1.0)])
+    assert form.codes[0].qt.scales.dtype == dtype
+
+
+# ---------------------------------------------------------------- the stored form
+def test_form_moves_tokens_from_window_to_codes_in_order() -> None:
+    """Chunks pass through the window; what leaves it is coded, oldest first, and the
+    hook reads the coded tokens as codes and the window as floats at their positions."""
+    form = LayerInputForm(8, 32, window=5, window_dtype=mx.float16)
+    x = mx.random.normal((2, 13, 64), key=mx.random.key(3))
+    y = mx.random.normal((2, 13, 32), key=mx.random.key(4))
+    for a, b in ((0, 7), (7, 8), (8, 13)):
+        form.append([x[:, a:b], y[:, a:b]])
+    assert (form.n_coded, form.n_recent, form.n) == (8, 5, 13)
+    assert form.recent[0].x.dtype == mx.float16
+    assert mx.array_equal(form.recent[1].x, y[:, 8:].astype(mx.float16)).item()
+    (p0, coded), (p1, recent) = form.earlier(joined=False)
+    assert (p0, p1) == (0, 8) and isinstance(coded[0], q.Quantized)
+    joined = form.earlier(joined=True)
+    assert [j.shape for j in joined] == [(2, 13, 64), (2, 13, 32)]
+    assert mx.allclose(joined[0], x, atol=0.05).item()
+    assert mx.array_equal(joined[0][:, 8:], recent[0]).item()
+    # Bytes: codes with their float16 scales per token and part, the window as held.
+    coded_bytes = sum(q.quantized_bytes(w, 8, 32) for w in (64, 32))
+    assert form.accounted(2) == 2 * (8 * coded_bytes + 5 * 96 * 2)
+    assert form.accounted(2) == sum(a.nbytes for a in form.arrays())
+
+
+def test_form_state_layout_and_trim() -> None:
+    """``state``: every part's code triple, then every part's window (what saved files
+    hold); an empty segment is left out. Trim cuts the window first, then the codes."""
+    form = LayerInputForm(4, 32, window=4)
+    form.append([mx.random.normal((1, 10, 64), key=mx.random.key(5)),
+                 mx.random.normal((1, 10, 32), key=mx.random.key(6))])
+    st = form.state()
+    assert [a.dtype for a in st] == [mx.uint32, mx.float16, mx.float16] * 2 + [mx.float32] * 2
+    back = LayerInputForm(4, 32)
+    back.load(st)
+    assert (back.n_coded, back.n_recent) == (6, 4)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(back.state(), st))
+    back.check(1, (64, 32), 10)
+    with pytest.raises(ValueError, match="hold 10 tokens; the saved offset is 11"):
+        back.check(1, (64, 32), 11)
+    with pytest.raises(ValueError, match="2 stored codes parts, expected 1"):
+        back.check(1, (64,), 10)
+    # A front drop slices the oldest codes (never re-coded).
+    codes = back.codes[1]
+    codes.drop_front(2)
+    assert codes.n == 4 and mx.array_equal(codes.qt.codes, st[3][:, 2:]).item()
+    codes.drop_front(4)
+    assert codes.n == 0 and codes.arrays() == []
+    form.trim(3)
+    assert (form.n_coded, form.n_recent) == (6, 1)
+    form.trim(4)
+    assert (form.n_coded, form.n_recent) == (3, 0) and len(form.state()) == 6
+    assert mx.array_equal(form.codes[0].qt.codes, st[0][:, :3]).item()
+    form.trim(3)
+    assert form.n == 0 and form.state() == [] and form.arrays() == []
+
+
+def test_cross_layer_deltas_decode_only_on_the_previous_reconstruction() -> None:
+    form = LayerInputForm(8, 32, deltas=True)
+    prev = mx.random.normal((1, 6, 64), key=mx.random.key(8))
+    delta = mx.random.normal((1, 6, 64), key=mx.random.key(9)) * 0.01
+    form.append([delta])
+    assert isinstance(form.codes[0], CrossLayerDeltas)
+    assert mx.allclose(form.rows(plus=prev), prev + delta, atol=1e-3).item()
+    with pytest.raises(ValueError, match="previous layer's reconstruction"):
+        form.codes[0].dense(mx.float32)
+    with pytest.raises(NotImplementedError, match="X hook rebuilds"):
+        form.codes[0].slot()
+
+
+def test_mlx_lm_from_state_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match="XQuantCache needs its config and layer"):
+        XQuantCache.from_state([mx.zeros((1, 2, 4), mx.uint32)])

@@ -118,6 +118,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``eval`` and ``bench``."""
     parser.add_argument("--model", default=None, help="model path / repo id (default: embedded)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="activations and weights of a GGUF model (the embedded one "
+                             "included); default float32 on a CPU")
     parser.add_argument("--text", default=None,
                         help="UTF-8 text file to evaluate on (default: stdlib docstrings)")
     parser.add_argument("--seed", type=int, default=0)
@@ -199,7 +202,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not budgets or min(budgets) <= 0:
             raise ConfigError(f"--fit={args.fit!r} is not allowed: budgets over the "
                               "weights such as 256MB or 128MiB,1GB")
-        model, tokenizer = load(args.model)
+        model, tokenizer = load(args.model, dtype=args.dtype)
         rec = run_fit(model, encode(tokenizer, load_text(args.text)), args.methods, budgets,
                       args.out, args.fit_step, args.fit_cap, progress=args.progress)
         with open(rec["files"]["md"], encoding="utf-8") as f:
@@ -209,7 +212,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     contexts = None
     if args.contexts:
         contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, dtype=args.dtype)
     record = run_sweep(model, tokenizer, args.methods, args.out, quick=args.quick,
                        contexts=contexts, eval_context=args.context, predict=args.predict,
                        windows=args.windows, decode_steps=args.decode_steps,

@@ -41,12 +41,12 @@ WINDOW_DTYPES = (None, "float16", "bfloat16", "float32")
 MAX_LAYERS = 4096
 
 
-def _options_class(method: Any) -> type[MethodOptions]:
+def _method_class(method: Any) -> type:
     from veloxquant_mlx.registry import get_method
 
     if not isinstance(method, str):
         raise config_error("method", method, "a method name string")
-    return get_method(method).Options
+    return get_method(method)
 
 
 @dataclass(frozen=True, init=False)
@@ -82,7 +82,8 @@ class KVCacheConfig:
             from veloxquant_mlx.registry import reference
 
             method = reference()
-        cls = _options_class(method)
+        method_cls = _method_class(method)  # looked up once for every check below
+        cls = method_cls.Options
         option_values = compat.current_names(cls, option_values)
         if rotate is not None and "rotate" in cls.field_names():
             option_values["rotate"] = rotate  # the method rotates by itself (turboquant)
@@ -96,7 +97,7 @@ class KVCacheConfig:
             options = cls.from_kwargs(option_values, base=options)
         for name, value in (("method", method), ("options", options), ("max_ctx", max_ctx),
                             ("window_dtype", window_dtype), ("rotate", rotate),
-                            ("layers", _layer_overrides(layers, method, options))):
+                            ("layers", _layer_overrides(layers, method_cls, options))):
             object.__setattr__(self, name, value)
         if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or max_ctx < 1:
             raise config_error("max_ctx", max_ctx, "a positive integer")
@@ -106,7 +107,7 @@ class KVCacheConfig:
         if not isinstance(rotate, bool):
             raise config_error("rotate", rotate, "True or False")
         if rotate:
-            _check_rotatable(method, options)
+            _check_rotatable(method_cls, options)
 
     @property
     def method_class(self) -> type:
@@ -191,7 +192,7 @@ class KVCacheConfig:
         options = data.pop("options") or {}
         if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
             raise config_error("options", options, "a dict {option name: value}")
-        options = _options_class(method or cls().method).from_kwargs(options)
+        options = _method_class(method or cls().method).Options.from_kwargs(options)
         return cls(method, options, **data)
 
     def to_string(self) -> str:
@@ -257,17 +258,17 @@ def parse_value(raw: str) -> Any:
 
 
 # ---------------------------------------------------------------- shared switches
-def _check_rotatable(method: str, options: MethodOptions) -> None:
+def _check_rotatable(cls: type, options: MethodOptions) -> None:
     """``rotate=True`` needs a method whose stored K/V only meet queries in dot products."""
-    from veloxquant_mlx.registry import get_method, methods
+    from veloxquant_mlx.registry import methods
 
-    cls = get_method(method)
-    if not cls.rotatable:
-        able = sorted(n for n, c in methods().items() if c.rotatable)
+    method = cls.method
+    if not cls.profile.rotatable:
+        able = sorted(n for n, c in methods().items() if c.profile.rotatable)
         raise config_error("rotate", True, f"False for method {method!r}: it does not "
                            f"attend by dot products over the keys/values it stores (methods "
                            f"that take rotate=True: {able})")
-    why = cls.rotation_refusal(options)
+    why = cls.profile.rotation_refusal(options)
     if why is not None:
         raise config_error("rotate", True, why)
 
@@ -319,7 +320,7 @@ def layers_to_string(overrides: dict[int, dict[str, Any]]) -> str:
     return "/".join(f"{a}{'' if a == b else f'-{b}'}:{items}" for a, b, items in groups)
 
 
-def _layer_overrides(layers: Any, method: str, options: MethodOptions
+def _layer_overrides(layers: Any, method_cls: type, options: MethodOptions
                      ) -> tuple[tuple[int, tuple[tuple[str, Any], ...]], ...] | None:
     """Validated, canonical per-layer overrides (sorted; option names resolved)."""
     if layers is None or layers == "" or layers == {} or layers == ():
@@ -335,9 +336,8 @@ def _layer_overrides(layers: Any, method: str, options: MethodOptions
     if not isinstance(layers, dict):
         raise config_error("layers", layers, "a dict {layer: {option: value}} or a string "
                            "such as '0-3:bits=4/10:bits=3'")
-    from veloxquant_mlx.registry import get_method
-
-    if get_method(method).cross_layer:
+    method = method_cls.method
+    if method_cls.profile.cross_layer:
         raise config_error("layers", layers, f"None for method {method!r}: per-layer "
                            "overrides apply to methods whose layers are independent")
     cls = type(options)

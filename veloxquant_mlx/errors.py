@@ -34,3 +34,7 @@ class GGUFError(ValueError):
     """A GGUF file cannot be read or converted: malformed or truncated header, a value
     of the wrong type, an unsupported architecture, tokenizer or tensor type. The
     message names the file (or the metadata key) and what was expected."""
+
+
+class PromptCacheError(ValueError):
+    """A prompt-cache file is corrupt, truncated or does not fit the model."""

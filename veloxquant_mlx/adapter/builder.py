@@ -1,19 +1,24 @@
 """``KVCacheBuilder.for_model``: one cache per KV cache slot for any mlx_lm model.
 
-What a method compresses comes from the model itself. ``probe_model`` runs a two-token
-probe with a stand-in in every KV slot of ``model.make_cache()`` (``adapter.mlx_lm``)
-and learns each slot's real shapes, the module that updates it and how its attention
-runs, whatever the projections are called. Plain full-attention slots (mlx_lm's
-``KVCache``) get the method's cache; sliding-window slots (``RotatingKVCache``) get it
-natively or as a ring over its compressed form (``cache.sliding``) where the method
-supports that; every other slot (recurrent state, chunked or list caches) keeps the
-model's own cache. Layers whose attention does not reach ``attend`` get a transient
-dense reconstruction, or the build is refused (``check_attention_routing``).
+It takes four steps, each calling down and none coming back here:
+
+1. ``registry.resolve``: the method's class, looked up once (rotated where the config
+   asks, ``cache.rotated``), with the config's options and per-layer overrides.
+2. ``probe_model`` (``adapter.mlx_lm``): the model, asked once. A two-token probe with a
+   stand-in in every KV slot of ``model.make_cache()`` learns each slot's real shapes,
+   the module that updates it and how its attention runs, whatever the projections are
+   called.
+3. ``plan_slots`` (``adapter.mlx_lm``): plain full-attention slots (mlx_lm's ``KVCache``)
+   get the method's cache; sliding-window slots (``RotatingKVCache``) get it natively or
+   as a ring over its compressed form (``cache.sliding``) where the method supports
+   that; every other slot (recurrent state, chunked or list caches) keeps the model's
+   own cache. Layers whose attention does not reach ``attend`` get a transient dense
+   reconstruction, or the build is refused (``check_attention_routing``).
+4. ``Resolved.build`` makes the caches; ``bind_routing`` takes the model's routing lease.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import mlx.core as mx
@@ -23,79 +28,17 @@ from mlx_lm.models.cache import make_prompt_cache
 from veloxquant_mlx.adapter.mlx_lm import (
     SlotProbe,
     bind_routing,
-    check_attention_routing,
-    method_caps,
+    layer_infos,
     model_layers,
-    model_name,
+    plan_slots,
     probe_model,
-    rope_params,
     uninstall_attention_routing,
     uninstall_reconstruction,
 )
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
-from veloxquant_mlx.cache.rotated import rotated_class, wants_rotation
-from veloxquant_mlx.cache.sliding import SlidingCache, sliding_mode
-from veloxquant_mlx.config import ConfigError, KVCacheConfig
-from veloxquant_mlx.errors import Refusal, UnsupportedModelError
-from veloxquant_mlx.registry import get_method, methods
-
-
-def _blocks_by_member(blocks: list[nn.Module]) -> dict[int, nn.Module]:
-    """``id`` of every module inside a transformer block -> the block (the first that
-    holds it): one walk of the blocks, not one per slot."""
-    out: dict[int, nn.Module] = {}
-    for block in blocks:
-        for m in (block, *block.modules()):
-            out.setdefault(id(m), block)
-    return out
-
-
-def _model_type(model: nn.Module) -> str:
-    args = getattr(model, "args", None)
-    return str(getattr(args, "model_type", "") or "")
-
-
-def _modes(method_cls: type, probes: list[SlotProbe | None],
-           infos: list[LayerInfo | None]) -> dict[int, str]:
-    """Slot -> how the method compresses it: ``"full"``, ``"native"`` or ``"ring"``."""
-    out: dict[int, str] = {}
-    for i, (probe, info) in enumerate(zip(probes, infos)):
-        if probe is None or info is None:
-            continue
-        if probe.window is None:
-            if method_cls.supports_layer(probe.cache):
-                out[i] = "full"
-        elif probe.window_agrees:  # else mlx_lm's own ring: its quirks are the output
-            mode = sliding_mode(method_cls, probe.cache)
-            if mode is not None:
-                out[i] = mode
-    return out
-
-
-def _nothing_to_compress(model: nn.Module, method: str,
-                         probes: list[SlotProbe | None]) -> UnsupportedModelError:
-    kinds = Counter(type(c).__name__ for c in make_prompt_cache(model))
-    have = ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items())) or "none"
-    unused = [p.slot for p in probes if p is not None and not p.used]
-    extra = f"; KV slot(s) {unused} are never used by the model's attention" if unused else ""
-    return UnsupportedModelError(
-        f"{model_name(model)} has no plain full-attention layers that method {method!r} "
-        f"can compress: its cache slots are {have}{extra}. Compressed: plain KV caches (mlx_lm's "
-        "KVCache) and, for some methods, sliding-window ones (RotatingKVCache); "
-        "recurrent, chunked, list and model-specific caches keep the model's own.",
-        Refusal.NO_KV_LAYERS)
-
-
-def _check_overrides(config: KVCacheConfig, modes: dict[int, str]) -> None:
-    """Per-layer overrides must name slots the method compresses as plain layers (a
-    sliding-window ring slices its inner cache by the method's shared options)."""
-    bad = sorted(i for i in config.layer_overrides() if modes.get(i) not in ("full", "native"))
-    if bad:
-        have = sorted(i for i, m in modes.items() if m in ("full", "native"))
-        raise ConfigError(
-            f"KVCacheConfig.layers overrides layer(s) {bad}, which method "
-            f"{config.method!r} does not compress as full layers on this model; the "
-            f"layers it does: {have}")
+from veloxquant_mlx.cache.step_cost import query_heads
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.registry import methods, resolve
 
 
 class KVCacheBuilder:
@@ -104,31 +47,9 @@ class KVCacheBuilder:
     @staticmethod
     def layer_infos(model: nn.Module,
                     probes: list[SlotProbe | None] | None = None) -> list[LayerInfo | None]:
-        """Shape facts per cache slot of ``model.make_cache()``; ``None`` for slots that
-        are not KV caches the model's attention uses.
-
-        ``layer_idx`` is the slot index (the layer index wherever the model gives every
-        layer one cache); heads and head dims are what the layer really hands its cache.
-        """
-        probes = probe_model(model) if probes is None else probes
-        try:
-            blocks = model_layers(model)
-        except ValueError:
-            blocks = []
-        owner_block = _blocks_by_member(blocks)
-        infos: list[LayerInfo | None] = []
-        for p in probes:
-            if p is None or not p.used:
-                infos.append(None)
-                continue
-            n_kv_heads, head_dim, v_head_dim = p.shape
-            infos.append(LayerInfo(
-                layer_idx=p.slot, n_layers=len(probes), n_kv_heads=n_kv_heads,
-                head_dim=head_dim, v_head_dim=v_head_dim, attention=p.owner,
-                block=owner_block.get(id(p.owner)), model_type=_model_type(model),
-                sliding_window=p.window, **rope_params(getattr(p.owner, "rope", None)),
-            ))
-        return infos
+        """Shape facts per cache slot of ``model.make_cache()`` (``mlx_lm.layer_infos``;
+        the model is probed when no ``probes`` are given)."""
+        return layer_infos(model, probe_model(model) if probes is None else probes)
 
     @classmethod
     def for_model(cls, model: nn.Module, config: KVCacheConfig | None = None,
@@ -144,27 +65,13 @@ class KVCacheBuilder:
             config = KVCacheConfig(**options)
         elif options:
             config = config.replace(**options)
-        method_cls = get_method(config.method)
-        if wants_rotation(config):  # rotate=True (checked rotatable by the config)
-            method_cls = rotated_class(method_cls)
+        # Each step calls down only: the method once, the model once, then the caches.
+        method = resolve(config)
         model_layers(model)  # a clear error for models without transformer blocks
         probes = probe_model(model)
-        infos = cls.layer_infos(model, probes)
-        modes = _modes(method_cls, probes, infos)
-        if not modes:
-            raise _nothing_to_compress(model, config.method, probes)
-        _check_overrides(config, modes)
-        slots = sorted(modes)
-        check_attention_routing(model, slots, config.method, probes, method_caps(method_cls))
-        layers = [infos[i] for i in slots]
-        # Cross-layer methods assign groups and inject their shared coordinator.
-        method_cls.assign_roles(layers, config, model)
-        caches = make_prompt_cache(model)
-        for i, info in zip(slots, layers):
-            caches[i] = SlidingCache(method_cls, config, info) if modes[i] == "ring" \
-                else method_cls(config, info)
-        method_cls.after_build([caches[i] for i in slots], config, model)
-        bind_routing(model, layers)
+        slots = plan_slots(model, method, probes)
+        caches = method.build(make_prompt_cache(model), slots, model)
+        bind_routing(model, [info for info, _ in slots.values()])
         return caches
 
     @staticmethod
@@ -175,7 +82,7 @@ class KVCacheBuilder:
         memory measurement so that state installed by an earlier build is not reused.
         """
         for method_cls in methods().values():
-            method_cls.detach(model)
+            method_cls.profile.detach(model)
         uninstall_reconstruction(model)
         uninstall_attention_routing(model)  # this model's lease only
 
@@ -219,7 +126,7 @@ def cache_stats(caches: list[Any]) -> dict[str, Any]:
             fp16 += foreign[-1]
     # The model's own caches attend densely; its query heads per KV head are ours'.
     ours = next((c for c in caches if isinstance(c, CompressedCache)), None)
-    rep = ours.query_heads() / ours.layer.n_kv_heads if ours is not None else 1.0
+    rep = query_heads(ours) / ours.layer.n_kv_heads if ours is not None else 1.0
     flops += int(sum(foreign) * rep)  # fp16 bytes: 2 x (d + dv) per token and KV head
     return {
         "held_bytes": held,

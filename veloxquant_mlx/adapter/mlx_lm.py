@@ -25,6 +25,10 @@ reconstruction (the stored form stays compressed) and attend over it themselves.
 Methods that only attend over their own form get ``UnsupportedModelError`` naming the
 layer and the feature. This module imports the rest of the package only lazily:
 caches are duck-typed.
+
+Plan: ``plan_slots`` turns one probe and a resolved method (``registry.resolve``) into
+the slots the method compresses, each with its ``LayerInfo`` and how (the method's own
+cache, or a ring over it on a sliding-window layer), after the checks above.
 """
 
 from __future__ import annotations
@@ -32,17 +36,18 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from veloxquant_mlx.cache.base import depend_on_state
+from veloxquant_mlx.cache.base import LayerInfo, depend_on_state
 from veloxquant_mlx.cache.module_call import (
     below,
     bind_call,
@@ -52,13 +57,17 @@ from veloxquant_mlx.cache.module_call import (
     original_class,
     unhook_module,
 )
+from veloxquant_mlx.cache.sliding import sliding_mode
 from veloxquant_mlx.errors import Refusal, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.registry import Resolved
 
 __all__ = ["AttentionLayout", "SlotProbe", "UnsupportedModelError", "attention_layout",
            "attention_module", "attention_routing", "bind_routing", "check_attention_routing",
-           "install_attention_routing", "install_reconstruction", "method_caps", "model_layers",
-           "model_name", "probe_model", "reconstruction_installed", "rope_params",
-           "routed_scaled_dot_product_attention", "routing_installed",
+           "install_attention_routing", "install_reconstruction", "layer_infos", "method_caps",
+           "model_layers", "model_name", "plan_slots", "probe_model", "reconstruction_installed",
+           "rope_params", "routed_scaled_dot_product_attention", "routing_installed",
            "uninstall_attention_routing", "uninstall_reconstruction"]
 
 _ORIGINAL_SDPA = mlx_base.scaled_dot_product_attention
@@ -636,7 +645,7 @@ def method_caps(cls: type) -> MethodCaps:
     from veloxquant_mlx.cache.base import CompressedCache
 
     return MethodCaps(bool(cls.attends), cls.dense_kv is not CompressedCache.dense_kv,
-                      bool(cls.hooks_module), bool(cls.evicts))
+                      bool(cls.profile.hooks_module), bool(cls.profile.evicts))
 
 
 def _method_caps(method: str) -> MethodCaps:
@@ -681,7 +690,7 @@ def _check_own_hook(model: nn.Module, method: str, probes: list[SlotProbe],
 
 def check_attention_routing(model: nn.Module, layer_ids: list[int], method: str,
                             probes: list[SlotProbe | None] | None = None,
-                            caps: MethodCaps | None = None) -> list[int]:
+                            caps: MethodCaps | None = None, stacklevel: int = 3) -> list[int]:
     """Make every slot in ``layer_ids`` attend correctly, or raise.
 
     Routable slots need nothing. Others get the reconstruction hook when the method
@@ -690,7 +699,8 @@ def check_attention_routing(model: nn.Module, layer_ids: list[int], method: str,
     batches one row at a time); otherwise ``UnsupportedModelError`` names the layers
     and what their attention does. A method with its own hook (XQuant) is checked for
     what that hook cannot serve. ``caps``: ``method_caps`` of the method's class, read
-    from the registry when None.
+    from the registry when None; ``stacklevel``: the warning's, as ``warnings.warn``'s
+    counted from here (the default names the caller's caller: the builder's user).
     """
     if probes is None:
         probes = probe_model(model)
@@ -735,5 +745,93 @@ def check_attention_routing(model: nn.Module, layer_ids: list[int], method: str,
             f"{'; '.join(sorted({p.describe() for p in bad}))}; method {method!r} hands "
             "those layers a transient dense reconstruction of its compressed cache at "
             "every step (the stored form stays compressed). See docs/models.md.",
-            stacklevel=3)
+            stacklevel=stacklevel)
     return [p.slot for p in bad]
+
+
+# ---------------------------------------------------------------- the plan
+def _blocks_by_member(blocks: list[nn.Module]) -> dict[int, nn.Module]:
+    """``id`` of every module inside a transformer block -> the block (the first that
+    holds it): one walk of the blocks, not one per slot."""
+    out: dict[int, nn.Module] = {}
+    for block in blocks:
+        for m in (block, *block.modules()):
+            out.setdefault(id(m), block)
+    return out
+
+
+def layer_infos(model: nn.Module, probes: list[SlotProbe | None]) -> list[LayerInfo | None]:
+    """Shape facts per cache slot of ``model.make_cache()`` from its probe; ``None`` for
+    slots that are not KV caches the model's attention uses.
+
+    ``layer_idx`` is the slot index (the layer index wherever the model gives every
+    layer one cache); heads and head dims are what the layer really hands its cache.
+    """
+    try:
+        blocks = model_layers(model)
+    except ValueError:
+        blocks = []
+    owner_block = _blocks_by_member(blocks)
+    model_type = str(getattr(getattr(model, "args", None), "model_type", "") or "")
+    infos: list[LayerInfo | None] = []
+    for p in probes:
+        if p is None or not p.used:
+            infos.append(None)
+            continue
+        n_kv_heads, head_dim, v_head_dim = p.shape
+        infos.append(LayerInfo(
+            layer_idx=p.slot, n_layers=len(probes), n_kv_heads=n_kv_heads,
+            head_dim=head_dim, v_head_dim=v_head_dim, attention=p.owner,
+            block=owner_block.get(id(p.owner)), model_type=model_type,
+            sliding_window=p.window, **rope_params(getattr(p.owner, "rope", None)),
+        ))
+    return infos
+
+
+def _modes(method_cls: type, probes: list[SlotProbe | None],
+           infos: list[LayerInfo | None]) -> dict[int, str]:
+    """Slot -> how the method compresses it: ``"full"``, ``"native"`` or ``"ring"``."""
+    out: dict[int, str] = {}
+    for i, (probe, info) in enumerate(zip(probes, infos)):
+        if probe is None or info is None:
+            continue
+        if probe.window is None:
+            if method_cls.profile.supports_layer(probe.cache):
+                out[i] = "full"
+        elif probe.window_agrees:  # else mlx_lm's own ring: its quirks are the output
+            mode = sliding_mode(method_cls, probe.cache)
+            if mode is not None:
+                out[i] = mode
+    return out
+
+
+def _nothing_to_compress(model: nn.Module, method: str,
+                         probes: list[SlotProbe | None]) -> UnsupportedModelError:
+    kinds = Counter(type(c).__name__ for c in make_prompt_cache(model))
+    have = (f"its cache slots are {', '.join(f'{n} x {k}' for k, n in sorted(kinds.items()))}"
+            if kinds else "it has no cache slots")
+    unused = [p.slot for p in probes if p is not None and not p.used]
+    extra = f"; KV slot(s) {unused} are never used by the model's attention" if unused else ""
+    return UnsupportedModelError(
+        f"{model_name(model)} has no plain full-attention layers that method {method!r} "
+        f"can compress: {have}{extra}. Compressed: plain KV caches (mlx_lm's "
+        "KVCache) and, for some methods, sliding-window ones (RotatingKVCache); "
+        "recurrent, chunked, list and model-specific caches keep the model's own.",
+        Refusal.NO_KV_LAYERS)
+
+
+def plan_slots(model: nn.Module, method: Resolved, probes: list[SlotProbe | None]
+               ) -> dict[int, tuple[LayerInfo, str]]:
+    """The slots ``method`` compresses on ``model``: slot -> its layer and mode (see
+    ``_modes``), in model order, once the config's overrides and every slot's attention
+    routing are checked (reconstruction hooks installed where a layer needs one)."""
+    infos = layer_infos(model, probes)
+    modes = _modes(method.cls, probes, infos)
+    if not modes:
+        raise _nothing_to_compress(model, method.name, probes)
+    method.check_overrides(modes)
+    slots = sorted(modes)
+    # The warning names the code that called ``for_model``, two frames above this one.
+    check_attention_routing(model, slots, method.name, probes, method_caps(method.cls),
+                            stacklevel=4)
+    return {i: (infos[i], modes[i]) for i in slots}

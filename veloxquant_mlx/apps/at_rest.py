@@ -6,7 +6,9 @@ head) calibrated once per model (keys before RoPE, which is undone exactly), bit
 coefficient by reverse water-filling on the coefficients' variance to a bits-per-value
 budget (0 bits drops a coefficient), a uniform quantizer with a fitted scale per
 coefficient, bit-packed codes and zstandard over them. The first ``sinks`` and the last
-``window`` tokens are kept in float16. ``load_at_rest`` decodes dense keys and values and
+``window`` tokens are kept in the cache's dtype when it has 16 bits, else (or on request)
+in float16 (``ends_dtype``; in the cache's own dtype and a window as long as the history,
+the file is lossless). ``load_at_rest`` decodes dense keys and values and
 feeds them, chunk by chunk and layer by layer as a prefill does, to fresh caches built
 for any ``KVCacheConfig``. See docs/methods/at-rest.md.
 """
@@ -30,9 +32,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder
-from veloxquant_mlx.apps.prompt_cache import PromptCacheError
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
 from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.errors import PromptCacheError
 from veloxquant_mlx.ops.files import replacing
 from veloxquant_mlx.ops.kernels import CACHE_ENV
 from veloxquant_mlx.ops.transform import (
@@ -46,14 +48,16 @@ from veloxquant_mlx.ops.transform import (
     unpack_codes,
 )
 
-__all__ = ["AtRestError", "Calibration", "calibrate_at_rest", "calibration_path",
-           "load_at_rest", "load_calibration", "model_identity", "read_at_rest",
+__all__ = ["AtRestError", "Calibration", "at_rest_header", "calibrate_at_rest",
+           "calibration_path", "file_metadata", "load_at_rest", "load_calibration", "model_identity", "read_at_rest",
            "restore_caches", "save_at_rest"]
 
-FORMAT = "veloxquant-at-rest/1"
+FORMAT = "veloxquant-at-rest/2"
 _KEY = "veloxquant_at_rest"
 _KINDS = ("k", "v")
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+# numpy has no bfloat16: exact tokens of a bfloat16 cache are stored as their bits.
+_EXACT_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 _ZSTD_LEVEL = 3  # zstandard's default: the bit-packed planes barely compress at any level
 
 
@@ -96,7 +100,7 @@ def _rope(x: mx.array, info: LayerInfo, offset: int, inverse: bool) -> mx.array:
 
 def _dense(cache: Any, slot: int) -> tuple[mx.array, mx.array]:
     """The keys/values ``[1, H, N, D]`` a layer cache holds, in its dtype."""
-    if getattr(cache, "evicts", False):  # its keys no longer sit at positions 0..N-1
+    if getattr(getattr(cache, "profile", None), "evicts", False):  # its keys no longer sit at positions 0..N-1
         raise AtRestError(f"layer {slot}: a {type(cache).__name__} has evicted tokens; "
                           "at-rest caches save whole histories (restore into it instead)")
     if hasattr(cache, "dense_kv"):
@@ -240,15 +244,26 @@ def _encode_kind(x: np.ndarray, mean: np.ndarray, basis: np.ndarray,
             "codes": np.frombuffer(blob, dtype=np.uint8)}, raw.size
 
 
+def _exact(x: mx.array, dtype: str) -> np.ndarray:
+    """Tokens kept exactly: ``x`` (float32, upcast from ``dtype``) back in ``dtype``."""
+    x = x.astype(_DTYPES[dtype])
+    return np.asarray(x.view(mx.uint16) if dtype == "bfloat16" else x)
+
+
+def _from_exact(a: np.ndarray, dtype: str) -> mx.array:
+    x = mx.array(a)
+    return (x.view(mx.bfloat16) if dtype == "bfloat16" else x).astype(mx.float32)
+
+
 def _encode_layer(k: mx.array, v: mx.array, info: LayerInfo, slot: int, cal: Calibration,
-                  bits: float, sinks: int, window: int) -> dict[str, np.ndarray]:
+                  bits: float, ends: tuple[int, int], dtype: str) -> dict[str, np.ndarray]:
     N = k.shape[2]
-    s = min(sinks, N)
-    w = min(window, N - s)
+    s = min(ends[0], N)
+    w = min(ends[1], N - s)
     out: dict[str, np.ndarray] = {}
     for kind, x in zip(_KINDS, (k, v)):
-        out[f"{slot}.{kind}.sinks"] = np.asarray(x[0, :, :s].astype(mx.float16))
-        out[f"{slot}.{kind}.window"] = np.asarray(x[0, :, N - w:].astype(mx.float16))
+        out[f"{slot}.{kind}.sinks"] = _exact(x[0, :, :s], dtype)
+        out[f"{slot}.{kind}.window"] = _exact(x[0, :, N - w:], dtype)
         body = x[:, :, s: N - w]
         if kind == "k":
             body = _rope(body, info, s, inverse=True)
@@ -260,12 +275,17 @@ def _encode_layer(k: mx.array, v: mx.array, info: LayerInfo, slot: int, cal: Cal
 
 def save_at_rest(path: str | Path, model: nn.Module, caches: list[Any], bits: float = 1.0,
                  sinks: int = 4, window: int = 128,
-                 calibration: Calibration | None = None) -> dict[str, Any]:
+                 calibration: Calibration | None = None,
+                 saved: dict[str, Any] | None = None,
+                 ends_dtype: str | None = None) -> dict[str, Any]:
     """Write ``caches`` (one sequence, any method's) to ``path`` in the at-rest format.
 
     ``bits`` is the budget in bits per coded value (tokens between the sinks and the
     window); ``calibration`` defaults to the model's saved one, else one made from these
-    caches (and saved). Returns stats: tokens, bytes on disk, fp16 bytes, ratio, seconds.
+    caches (and saved); ``saved`` goes into the header as it is (``save_prompt_cache``'s
+    method, config and metadata); ``ends_dtype``: the dtype of the sinks and the window
+    (default: the cache's when it has 16 bits, else float16). Returns stats: tokens, bytes on disk, fp16 bytes,
+    ratio, seconds.
     """
     if not 0 <= bits <= MAX_BITS or sinks < 0 or window < 0:
         raise ValueError(f"save_at_rest: bits {bits} must be in 0..{MAX_BITS}, sinks {sinks} "
@@ -276,6 +296,9 @@ def save_at_rest(path: str | Path, model: nn.Module, caches: list[Any], bits: fl
         raise AtRestError(f"{len(caches)} caches for a model with {len(infos)} cache slots")
     dense = [_dense(c, i) for i, c in enumerate(caches)]
     dtype = str(dense[0][0].dtype).split(".")[-1] if dense else "float32"
+    ends = ends_dtype or (dtype if dtype != "float32" else "float16")
+    if ends not in _DTYPES:
+        raise ValueError(f"save_at_rest: ends_dtype {ends!r} is not one of {sorted(_DTYPES)}")
     dense = [(k.astype(mx.float32), v.astype(mx.float32)) for k, v in dense]
     n = dense[0][0].shape[2]
     if any(k.shape[2] != n for k, _ in dense):
@@ -290,11 +313,12 @@ def save_at_rest(path: str | Path, model: nn.Module, caches: list[Any], bits: fl
     _check_calibration(cal, infos)
     arrays: dict[str, np.ndarray] = {}
     for slot, ((k, v), info) in enumerate(zip(dense, infos)):
-        arrays.update(_encode_layer(k, v, info, slot, cal, bits, sinks, window))
+        arrays.update(_encode_layer(k, v, info, slot, cal, bits, (sinks, window), ends))
     header = {"format": FORMAT, "identity": model_identity(model),
               "calibration": cal.digest, "tokens": n, "sinks": sinks, "window": window,
-              "bits": bits, "dtype": dtype, "shapes": [[i.n_kv_heads, i.head_dim, i.v_head_dim] for i in infos],
-              "crc": {m: zlib.crc32(a.tobytes()) for m, a in arrays.items()}}
+              "bits": bits, "dtype": dtype, "ends_dtype": ends, "shapes": [[i.n_kv_heads, i.head_dim, i.v_head_dim] for i in infos],
+              "crc": {m: zlib.crc32(a.tobytes()) for m, a in arrays.items()},
+              "saved": dict(saved or {})}
     with replacing(path) as tmp:
         mx.save_safetensors(str(tmp), {m: mx.array(a) for m, a in arrays.items()},
                             {_KEY: json.dumps(header)})
@@ -306,6 +330,37 @@ def save_at_rest(path: str | Path, model: nn.Module, caches: list[Any], bits: fl
 
 
 # ------------------------------------------------------------------ reading
+_HEADER_LIMIT = 1 << 26  # a safetensors header past 64 MiB is not one this library wrote
+
+
+def file_metadata(path: str | Path) -> dict[str, str]:
+    """A safetensors file's ``__metadata__``, read from its header alone; {} when the
+    file is not a readable safetensors file (its own reader then names what is wrong)."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= _HEADER_LIMIT:
+                return {}
+            meta = json.loads(f.read(size)).get("__metadata__")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def at_rest_header(path: str | Path) -> dict[str, Any] | None:
+    """The header of an at-rest file; None when ``path`` is not one."""
+    raw = file_metadata(path).get(_KEY)
+    if raw is None:
+        return None
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise AtRestError(f"{str(path)!r}: corrupt at-rest header ({exc!r:.80})") from exc
+    if not isinstance(header, dict):
+        raise AtRestError(f"{str(path)!r}: corrupt at-rest header (a JSON object is expected)")
+    return header
+
+
 def _read(path: str | Path, model: nn.Module,
           cal: Calibration) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     path = str(path)
@@ -394,7 +449,8 @@ def _decode_kind(arrays: dict[str, np.ndarray], cal: Calibration, pre: str, H: i
     if len(raw) != want:
         raise AtRestError(f"{pre}.codes: {len(raw)} code bytes, expected {want}")
     widths = bits[bits > 0].astype(np.int64)
-    codes = unpack_codes(np.frombuffer(raw, dtype=np.uint8).reshape(int(widths.sum()), -1),
+    codes = unpack_codes(np.frombuffer(raw, dtype=np.uint8).reshape(int(widths.sum()),
+                                                                     (nb + 7) // 8),
                          widths, nb)
     out, at = np.empty((H, nb, D), dtype=np.float32), 0
     for h in range(H):
@@ -406,23 +462,29 @@ def _decode_kind(arrays: dict[str, np.ndarray], cal: Calibration, pre: str, H: i
 
 
 def _decode_layer(arrays: dict[str, np.ndarray], cal: Calibration, slot: int, info: LayerInfo,
-                  n: int, s: int, w: int) -> list[mx.array]:
+                  shape: tuple[int, int, int], dtype: str) -> list[mx.array]:
+    n, s, w = shape
     out = []
     for kind, D in zip(_KINDS, (info.head_dim, info.v_head_dim)):
         pre, H = f"{slot}.{kind}", info.n_kv_heads
-        sinks = _expect(arrays, f"{pre}.sinks", (H, s, D), np.float16)
-        win = _expect(arrays, f"{pre}.window", (H, w, D), np.float16)
+        sinks = _expect(arrays, f"{pre}.sinks", (H, s, D), _EXACT_NP[dtype])
+        win = _expect(arrays, f"{pre}.window", (H, w, D), _EXACT_NP[dtype])
         body = mx.array(_decode_kind(arrays, cal, pre, H, D, n - s - w))[None]
         if kind == "k":
             body = _rope(body, info, s, inverse=False)
-        out.append(mx.concatenate([mx.array(sinks)[None].astype(mx.float32), body,
-                                   mx.array(win)[None].astype(mx.float32)], axis=2))
+        out.append(mx.concatenate([_from_exact(sinks, dtype)[None], body,
+                                   _from_exact(win, dtype)[None]], axis=2))
     return out
 
 
 def read_at_rest(path: str | Path, model: nn.Module,
                  calibration: Calibration | None = None) -> list[tuple[mx.array, mx.array]]:
-    """The dense keys/values ``[1, H, N, D]`` (float32) per layer of an at-rest file."""
+    """The dense keys/values ``[1, H, N, D]`` per layer of an at-rest file, in its dtype."""
+    peek = at_rest_header(path) if Path(path).is_file() else None
+    if peek is not None and peek.get("identity") != model_identity(model):
+        # Named before any calibration is looked for: the model is what is wrong.
+        raise AtRestError(f"{str(path)!r} was saved from model {peek.get('identity')!r}, "
+                          f"not this one ({model_identity(model)})")
     cal = calibration or load_calibration(model)
     if cal is None:
         raise AtRestError(f"no at-rest calibration for this model at "
@@ -431,12 +493,13 @@ def read_at_rest(path: str | Path, model: nn.Module,
     _check_calibration(cal, infos)
     arrays, header = _read(path, model, cal)
     n, s, w = _check_header(header, infos, _max_tokens(model))
-    dtype = _DTYPES.get(header.get("dtype"))  # type: ignore[arg-type]
-    if dtype is None:
-        raise AtRestError(f"{str(path)!r}: cache dtype {header.get('dtype')!r:.40} is not "
-                          f"one of {sorted(_DTYPES)}")
+    name, ends = header.get("dtype"), header.get("ends_dtype")
+    if name not in _DTYPES or ends not in _DTYPES:
+        raise AtRestError(f"{str(path)!r}: cache dtype {name!r:.40} or ends dtype "
+                          f"{ends!r:.40} is not one of {sorted(_DTYPES)}")
     try:
-        return [tuple(x.astype(dtype) for x in _decode_layer(arrays, cal, i, info, n, s, w))
+        return [tuple(x.astype(_DTYPES[name]) for x in
+                      _decode_layer(arrays, cal, i, info, (n, s, w), ends))
                 for i, info in enumerate(infos)]  # type: ignore[misc]
     except AtRestError as exc:
         raise AtRestError(f"{str(path)!r}: {exc}") from exc
@@ -449,7 +512,7 @@ def restore_caches(model: nn.Module, layers: list[tuple[mx.array, mx.array]],
     caches = make_prompt_cache(model) if config is None else \
         KVCacheBuilder.for_model(model, config)
     for i, cache in enumerate(caches):
-        if getattr(cache, "hooks_module", False):
+        if getattr(getattr(cache, "profile", None), "hooks_module", False):
             KVCacheBuilder.detach(model)
             raise AtRestError(f"layer {i}: method {cache.method!r} caches the layer's input, "
                               "not its keys and values: it cannot be restored from keys and "

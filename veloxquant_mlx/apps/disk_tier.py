@@ -12,9 +12,12 @@ model identity, config string, ``cache_salt`` and last use; files past
 At start, an index entry without its file is forgotten and a file without an entry is
 deleted (a crash between the two writes), never fatal; entries of another model or
 config are logged by name and never loaded. A request whose longest exactly shared prefix
-is longer on disk than in RAM loads that file (on the generation thread: mlx_lm calls
-``fetch_nearest_cache`` there) into the RAM pool, where the usual exact-prefix rule
-decides how much of it is reused. Entries are matched only under their own salt.
+is longer on disk than in RAM has that file read at the request's arrival
+(``CompressedPromptCache.prefetch``, on its handler thread, off the generation thread)
+and decoded into the RAM pool on the generation thread (MLX runs there only), where the
+usual exact-prefix rule decides how much of it is reused. Entries are matched
+only under their own salt. ``AtRestCodec`` (``--prompt-cache-at-rest``) writes the files
+transform-coded (``apps.at_rest``); the loader knows either format by its header.
 """
 
 from __future__ import annotations
@@ -33,14 +36,25 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from veloxquant_mlx.errors import PromptCacheError
 from veloxquant_mlx.ops.files import set_aside, write_text
 
-__all__ = ["Codec", "DiskTier", "SafetensorsCodec", "model_identity", "salt_of"]
+__all__ = ["AtRestCodec", "Codec", "DiskTier", "SafetensorsCodec", "model_identity",
+           "salt_of"]
 
 INDEX = "index.json"
 INDEX_FORMAT = 1
 SUFFIX = ".safetensors"
 PERIOD_S = 120.0  # how often the writer also saves the kept caches not yet on disk
+
+
+def read_file(path: Path) -> int:
+    """Every byte of ``path`` read (and dropped): the OS keeps them for the next read."""
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            n += len(chunk)
+    return n
 
 
 class Codec(Protocol):
@@ -63,6 +77,39 @@ class SafetensorsCodec:
         from veloxquant_mlx.apps.prompt_cache import load_prompt_cache
 
         return load_prompt_cache(path, model, return_metadata=True)
+
+
+class AtRestCodec(SafetensorsCodec):
+    """Files at rest (``apps.at_rest``, ``--prompt-cache-at-rest``): transform-coded,
+    loaded and checked as any saved cache (the loader knows them by their header).
+
+    Without a calibration of the model on this machine, the first history of at least
+    ``calibrate_from`` tokens makes one; shorter ones before it are saved as held (a
+    basis fitted on a few tokens would code every later file badly)."""
+
+    computes = True  # transform coding runs MLX: written on the generation thread
+
+    def __init__(self, model: Any, bits: float, window: int | None = None,
+                 calibrate_from: int = 256) -> None:
+        from veloxquant_mlx.apps.prompt_cache import AT_REST_WINDOW
+
+        self.model, self.bits, self.calibrate_from = model, bits, calibrate_from
+        self.window = AT_REST_WINDOW if window is None else window
+
+    def save(self, path: Path, caches: list[Any], meta: dict[str, str]) -> None:
+        from veloxquant_mlx.apps.at_rest import load_calibration
+        from veloxquant_mlx.apps.prompt_cache import save_prompt_cache
+
+        tokens = max((getattr(c, "offset", 0) for c in caches), default=0)
+        # Caches that dropped tokens, or that hold a layer's input, cannot come back from
+        # keys and values: saved as held.
+        whole = not any(getattr(getattr(c, "profile", None), "evicts", False) or getattr(getattr(c, "profile", None), "hooks_module", False)
+                        for c in caches)
+        if not whole or (tokens < self.calibrate_from and load_calibration(self.model) is None):
+            super().save(path, caches, meta)
+            return
+        save_prompt_cache(path, caches, metadata=meta, at_rest=True, model=self.model,
+                          at_rest_bits=self.bits, at_rest_window=self.window)
 
 
 def model_identity(model: Any, name: str) -> str:
@@ -173,25 +220,33 @@ class DiskTier:
             self.identity, self.config, salt)
 
     # ---- reading (the generation thread) ----
-    def lookup(self, salt: str | None, probe: list[int], better_than: int
-               ) -> dict[str, Any] | None:
+    def lookup(self, salt: str | None, probe: list[int], better_than: int,
+               whole: bool = False) -> dict[str, Any] | None:
         """The entry of ``salt`` sharing the longest prefix (> ``better_than``) with
-        ``probe``, for this model and config."""
+        ``probe``, for this model and config (``whole``: only entries whose every token
+        is in that prefix, reused without a cut); its ``common`` is that length."""
         best, best_n = None, better_than
         with self.lock:
             for e in self.entries.values():
                 if self._ours(e, salt):
                     n = _common(e["tokens"], probe)
-                    if n > best_n:
+                    if n > best_n and (not whole or n == len(e["tokens"])):
                         best, best_n = dict(e), n
-        return best
+        return None if best is None else {**best, "common": best_n}
+
+    def warm(self, entry: dict[str, Any]) -> bool:
+        """Read ``entry``'s file once, off the generation thread, so that its load there
+        comes from the page cache; plain file reads only (no MLX work)."""
+        try:
+            read_file(self.folder / entry["file"])
+        except OSError:
+            return False
+        return True
 
     def read(self, entry: dict[str, Any], model: Any) -> list[Any] | None:
         """The caches of ``entry``; None (logged by name, entry dropped) when its file is
         unreadable or was saved for another model or config."""
         path = self.folder / entry["file"]
-        from veloxquant_mlx.apps.prompt_cache import PromptCacheError
-
         try:
             caches, meta = self.codec.load(path, model)
             have = (meta.get("model"), meta.get("config"), meta.get("salt", ""))
@@ -224,7 +279,12 @@ class DiskTier:
     # ---- writing (the writer thread) ----
     def submit(self, salt: str | None, tokens: list[int], caches: list[Any],
                cache_type: str = "assistant") -> None:
-        """Save ``caches`` (of ``tokens``) later, on the writer thread."""
+        """Save ``caches`` (of ``tokens``) later, on the writer thread; a codec that
+        computes with MLX (at rest) writes now, on the caller's thread: MLX runs on the
+        generation thread only (two threads evaluating at once can crash the process)."""
+        if getattr(self.codec, "computes", False):
+            self.put(salt, list(tokens), list(caches), cache_type)
+            return
         if self._closed:  # after shutdown nothing would write it: dropped, as without disk
             logging.info("prompt cache disk: closed; a cache of %d tokens is not written",
                          len(tokens))
@@ -249,7 +309,9 @@ class DiskTier:
             try:
                 job = self._queue.get(timeout=PERIOD_S)
             except queue.Empty:
-                if self.periodic is not None:
+                # Kept caches go to disk now and then, unless writing them computes with
+                # MLX (at rest): that happens on the generation thread only.
+                if self.periodic is not None and not getattr(self.codec, "computes", False):
                     self.periodic()
                 continue
             try:

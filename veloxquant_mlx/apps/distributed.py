@@ -487,7 +487,7 @@ def load_for_ranks(name_or_path: str | None = None, args: Any = None,
                    configs: Sequence[Any] = ()) -> tuple[nn.Module, Any]:
     """``veloxquant_mlx.models.load``, sharded over the ranks of an ``mlx.launch`` job.
 
-    In one process it is exactly ``load(name_or_path)``. Under ``mlx.launch`` every rank
+    In one process it is exactly ``load(name_or_path, dtype=args.dtype)``. Under ``mlx.launch`` every rank
     checks that all ranks got the same command line (``args``, a parsed namespace) and
     cache configs (``configs``), loads the model (rank 0 first, so a first-time model
     conversion happens once), shards it (``shard_model``) and warns where a method's
@@ -497,8 +497,9 @@ def load_for_ranks(name_or_path: str | None = None, args: Any = None,
     from veloxquant_mlx.models import load
 
     group = world()
+    dtype = getattr(args, "dtype", None)
     if group is None:
-        return load(name_or_path)
+        return load(name_or_path, dtype=dtype)
     install_rank_output(group)
     check_same_on_ranks(group, "command line", _fingerprint(args, configs))
     if group.rank() > 0 and args is not None:
@@ -506,10 +507,10 @@ def load_for_ranks(name_or_path: str | None = None, args: Any = None,
             if getattr(args, name, None):
                 setattr(args, name, None)
     if group.rank() == 0:
-        loaded = load(name_or_path)
+        loaded = load(name_or_path, dtype=dtype)
     barrier(group)
     if group.rank() > 0:
-        loaded = load(name_or_path)
+        loaded = load(name_or_path, dtype=dtype)
     model = loaded[0]
     plan = shard_model(model, group)
     for config in configs:
@@ -547,7 +548,7 @@ def replication_warning(model: nn.Module, config: Any, plan: ShardPlan) -> str |
     projs = [getattr(attn, name, None) for name in ("k_proj", "v_proj")]
     kv_width = sum(int(p.weight.shape[0]) for p in projs if p is not None)
     hidden = int(getattr(getattr(model, "args", None), "hidden_size", 0) or kv_width)
-    what = get_method(config.method).replicated_by_tensor_parallelism(config.options,
+    what = get_method(config.method).profile.replicated(config.options,
                                                                       kv_width, hidden)
     if what is None:
         return None

@@ -115,7 +115,7 @@ def platform_lines() -> list[str]:
     import mlx.core as mx
 
     from veloxquant_mlx.apps.blas import INSTALL_HINT, blas_status
-    from veloxquant_mlx.ops import kernels, native
+    from veloxquant_mlx.ops import dispatch, kernels, native
 
     blas = blas_status()
     if blas["active"] is None:
@@ -123,12 +123,15 @@ def platform_lines() -> list[str]:
     else:
         blas_line = f"{blas['active']} ({'optimized' if blas['fast'] else 'SLOW: ' + INSTALL_HINT})"
     lines = [f"fused extension: {native.status()}", f"BLAS: {blas_line}",
-             f"device: {mx.default_device()}", "attention paths:",
-             f"  decode of one sequence (no mask): {native.status()}"]
+             f"device: {mx.default_device()}",
+             f"attention engines: ops.dispatch's table (veloxquant bench --kernels; "
+             f"{dispatch.LOG_ENV}=1 logs each layer's)",
+             f"  one sequence, codes the op reads: {native.status()}",
+             "  codes in the parts engine:"]
     try:
         force = kernels.forced()
     except ValueError as exc:  # a bad VELOXQUANT_KERNELS: attention would raise the same
-        return [*lines, f"  {exc}"]
+        return [*lines, f"    {exc}"]
     for kind in kernels.KINDS:
         if force is not None:
             how = f"{force} (forced by {kernels.ENV})"
@@ -138,9 +141,9 @@ def platform_lines() -> list[str]:
             found = _recorded_paths(kind)
             how = f"{', '.join(f'{p} x {n}' for p, n in sorted(found.items()))} of " \
                   f"{sum(found.values())} shape classes"
-        lines.append(f"  {kind} codes: {how}")
+        lines.append(f"    {kind} codes: {how}")
     if force is None and not kernels.on_gpu():
-        lines.append("  (a class not measured yet is measured on first use; `veloxquant "
+        lines.append("    (a class not measured yet is measured on first use; `veloxquant "
                      "bench --calibrate-kernels` measures them all)")
     return lines
 

@@ -37,7 +37,10 @@ shared KV budget need:
   entry (or one that did not fit) is handed to its writer thread, and so is every kept
   one at ``persist_kept`` (shutdown, periodically). A request whose prompt shares a
   longer prefix with a file than with any RAM entry loads that file into the pool
-  first; the rules above then decide, as for any RAM entry, how much is reused.
+  first; the rules above then decide, as for any RAM entry, how much is reused. The
+  file is read at the request's arrival (``match``, on its handler thread), so the
+  generation thread keeps stepping the other requests meanwhile and then decodes it from
+  the page cache (MLX runs on the generation thread only).
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ def layer_prefix(cache: Any, keep: int) -> int:
     held = cache.offset
     if keep >= held:
         return keep
-    numerics = type(cache).stored_numerics(cache.config, cache.layer)
+    numerics = type(cache).profile.stored_numerics(cache.config, cache.layer)
     if not numerics.exact:
         limit = numerics.lossless_until
         return keep if limit is not None and held <= limit else 0
@@ -167,14 +170,18 @@ class CompressedPromptCache(LRUPromptCache):
         self.lock = self.budget.lock if self.budget is not None else threading.RLock()
         self.pending_ticket: Any = None  # set by the generation thread before a fetch
         self._pins: Counter[Key] = Counter()
+        self._held_out = 0  # entries ``_evict`` holds out of the LRU order while it runs
         # Evicted caches, freed by the generation thread (where mlx_lm frees caches).
         self._dropped: list[list[Any]] = []
         self._owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.counters = dict.fromkeys(("requests", "reused", "reused_tokens", "trimmed",
                                        "limited", "kept", "not_kept", "evicted",
-                                       "from_disk"), 0)
+                                       "from_disk", "prefetched"), 0)
         if self.budget is not None:
             self.budget.keeper = self
+
+    def __len__(self) -> int:
+        return len(self._lru) + self._held_out
 
     # ---- finding the entry to start from ----
     def _plan(self, model: Any, tokens: list[int]) -> list[tuple[list[int], int]]:
@@ -237,8 +244,10 @@ class CompressedPromptCache(LRUPromptCache):
         self._lru.push(model, key, cache_type)
 
     def match(self, tokens: list[int]) -> Key | None:
-        """The entry a request of ``tokens`` would start from (admission pins it)."""
+        """The entry a request of ``tokens`` would start from (admission pins it), a file
+        of the disk tier loaded first when it shares more (``prefetch``)."""
         model = self.model_provider.model_key
+        self.prefetch(model, list(tokens))
         with self.lock:
             for key, _ in self._ranked(model, list(tokens)):
                 return model, tuple(key)
@@ -269,21 +278,60 @@ class CompressedPromptCache(LRUPromptCache):
             logging.info("prompt cache: %d of %d prompt tokens reused", keep, len(tokens))
         return self._attach(RequestCaches(cache), ticket), tokens[keep:]
 
-    def _restore(self, model: Any, tokens: list[int], in_ram: int) -> None:
-        """Load the file sharing the longest prefix with ``tokens`` (more than the
-        ``in_ram`` tokens a RAM entry gives) into the pool as an entry."""
+    def prefetch(self, model: Any, tokens: list[int]) -> None:
+        """At a request's arrival (a handler thread): the disk tier's files sharing a
+        longer prefix with ``tokens`` than any RAM entry are read here, off the
+        generation thread, which then decodes them from the page cache (MLX runs there
+        only: two threads evaluating at once can crash the process)."""
+        from veloxquant_mlx.apps.disk_tier import salt_of
+
+        if self.disk is None or self.entry_limit <= 0 or len(tokens) < 2:
+            return
+        with self.lock:
+            ranked = self._ranked(model, tokens)
+        in_ram, read = ranked[0][1] if ranked else 0, False
+        for whole in (False, True):
+            found = self.disk.lookup(salt_of(model), tokens[:-1], in_ram, whole)
+            read = (found is not None and self.disk.warm(found)) or read
+        if read:
+            with self.lock:
+                self.counters["prefetched"] += 1
+
+    def _restore(self, model: Any, tokens: list[int], in_ram: int) -> bool:
+        """Load the files that give ``tokens`` more than the ``in_ram`` tokens a RAM
+        entry gives into the pool as entries; whether one was read."""
         from veloxquant_mlx.apps.disk_tier import salt_of
 
         if self.entry_limit <= 0 or len(tokens) < 2:
-            return
-        found = self.disk.lookup(salt_of(model), tokens[:-1], in_ram)
-        caches = None if found is None else self.disk.read(found, self.model_provider.model)
+            return False
+        loaded = False
+        # The longest shared prefix first; when it cannot be cut to what it shares
+        # exactly, also the longest file that is a prefix as a whole (a turn's prompt
+        # without the answer its client re-tokenized differently).
+        for whole in (False, True):
+            found = self.disk.lookup(salt_of(model), tokens[:-1], in_ram, whole)
+            if found is None:
+                continue
+            key = list(found["tokens"])
+            with self.lock:
+                there = self._has((model, tuple(key)))
+            if not there:
+                loaded = self._load(model, found) or loaded
+            with self.lock:
+                if self._has((model, tuple(key))):
+                    in_ram = max(in_ram, self._usable(model, key, found["common"]))
+        return loaded
+
+    def _load(self, model: Any, found: dict[str, Any]) -> bool:
+        """Read one disk entry into the pool."""
+        caches = self.disk.read(found, self.model_provider.model)
         if caches is None:
-            return
+            return False
         with self.lock:
             self._keep(model, list(found["tokens"]), caches,
                        found.get("cache_type") or "assistant", None)
             self.counters["from_disk"] += 1
+        return True
 
     def _spill(self, model: Any, tokens: list[int], entry: Any) -> None:
         """An entry leaving RAM goes to disk (on the disk tier's writer thread)."""
@@ -369,6 +417,9 @@ class CompressedPromptCache(LRUPromptCache):
             if self.budget is not None:
                 self.budget.note_held()
             return
+        logging.info("prompt cache: an entry of %d tokens is not kept (%d entries of %d, "
+                     "%d pinned, budget %s)", len(tokens), len(self), self.entry_limit,
+                     sum(self._pins.values()), "fits" if self._fits_budget() else "full")
         self._spill(model, tokens, self._trie.get(model, tokens))
         self._pop(model, tokens)
         self.counters["not_kept"] += 1
@@ -435,12 +486,14 @@ class CompressedPromptCache(LRUPromptCache):
             key = (model, tuple(tokens))
             if self._pins[key] or key in protect:
                 skipped.append((model, tokens))
+                self._held_out += 1  # still kept: ``done`` must count it
                 continue
             entry = self._trie.pop(model, tokens)
             self._spill(model, tokens, entry)
             self._drop(entry)
             self.counters["evicted"] += 1
         # Back at the old end of their kind's queue, in their order.
+        self._held_out -= len(skipped)
         for model, tokens in reversed(skipped):
             kind = self._trie.get(model, tokens).cache_type
             self._lru._lrus[kind].appendleft((model, tokens))

@@ -195,11 +195,13 @@ def _open_disk(args: argparse.Namespace, pool: CompressedPromptCache, provider: 
     folder = getattr(args, "prompt_cache_dir", None)
     if folder is None or pool.entry_limit <= 0:
         return
-    from veloxquant_mlx.apps.disk_tier import DiskTier, model_identity
+    from veloxquant_mlx.apps.disk_tier import AtRestCodec, DiskTier, model_identity
 
     identity = model_identity(provider.model, str(args.model or "embedded"))
+    bits = getattr(args, "prompt_cache_at_rest", None)
+    codec = None if bits is None else AtRestCodec(provider.model, bits)
     pool.disk = DiskTier(folder, getattr(args, "prompt_cache_disk_bytes", None), identity,
-                         config.to_string())
+                         config.to_string(), codec)
     pool.disk.periodic = pool.persist_kept
     # A service manager stops with SIGTERM: end as on Ctrl-C, so the kept caches are saved.
     if threading.current_thread() is threading.main_thread():
@@ -233,7 +235,9 @@ def _describe_reuse(pool: CompressedPromptCache) -> str:
         f"; evicted ones go to {str(pool.disk.folder)!r} (--prompt-cache-dir, "
         f"{len(pool.disk.entries)} there, " + (
             "no size limit" if pool.disk.max_bytes is None else
-            f"at most {format_bytes(pool.disk.max_bytes)}") + ")")
+            f"at most {format_bytes(pool.disk.max_bytes)}")
+        + (f", at rest at {pool.disk.codec.bits:g} bits per value"
+           if hasattr(pool.disk.codec, "bits") else "") + ")")
     return (f"prompt cache: up to {pool.entry_limit} kept caches (--prompt-cache-size), "
             f"{room}; requests start from the longest shared prefix{disk}")
 
@@ -316,6 +320,12 @@ def _add_reuse_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-cache-disk-bytes", type=_size("--prompt-cache-disk-bytes"),
                         default=None, help="most bytes of files in --prompt-cache-dir, e.g. "
                         "20GB; least recently used go first (default: no limit)")
+    parser.add_argument("--prompt-cache-at-rest", nargs="?", const=3.0, default=None,
+                        type=_checked(float, "--prompt-cache-at-rest", 0.0, 8.0),
+                        metavar="BITS", help="write --prompt-cache-dir files transform-coded "
+                        "(docs/methods/at-rest.md): BITS per value (default 3; lossy: a "
+                        "restored cache is close to, not equal to, the evicted one). "
+                        "Default: off, files hold the caches as kept")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

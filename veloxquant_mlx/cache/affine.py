@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.base import LayerInfo, require_group_divides
+from veloxquant_mlx.cache.base import LayerInfo, require_group_divides, window_dtype
 from veloxquant_mlx.cache.numerics import (
     StoredNumerics,
     Stream,
@@ -28,6 +28,7 @@ from veloxquant_mlx.cache.numerics import (
     cast,
     code_flips,
 )
+from veloxquant_mlx.cache.profile import Profile
 from veloxquant_mlx.cache.segments import Dense, StoredForm, TokenCodes
 from veloxquant_mlx.cache.stored import StoredFormCache
 from veloxquant_mlx.ops import quantize as q
@@ -56,53 +57,44 @@ class AffineOptions(MethodOptions):
         self.check_int("window", minimum=0)
 
 
+def _stored_numerics(config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
+    """Every token older than the window is read back as its per-token codes, coded as
+    soon as it is stored (a chunk longer than the window attends over its own codes),
+    from the window dtype (from the input when the window was empty). Exact but for code
+    flips (measured: at most 0.16 of a step at 4 and 8 bits)."""
+    o = config.layer_options(layer.layer_idx)
+    # The window is held in the window dtype; without one, codes come from the input.
+    hold = cast(config.window_dtype) if o.window else None
+    s = Stream(affine_roundtrip(o.bits, o.group_size), keep=o.window, hold=hold,
+               fresh_from_input=True)
+    return StoredNumerics(s, s, bound=code_flips(o.bits, 0.4))
+
+
+def _tune_grid(context: int) -> list[dict[str, Any]]:
+    # 8 bits down to 2, groups of 32 (finer scales) below 8 bits; a 32-token fp window.
+    return [dict(bits=b, group_size=g, window=32)
+            for b, g in ((8, 64), (6, 64), (5, 32), (4, 32), (3, 32), (2, 32))]
+
+
 @register
 class AffineCache(StoredFormCache):
     """Quantized K and V codes with per-group scales/biases, plus an fp window."""
 
     method = "affine"
-    family = "quantization"
-    paper = "MLX affine quantization (mx.quantize)"
-    stores = "K and V codes + per-group scale/bias, optional fp window"
     Options = AffineOptions
+    profile = Profile(
+        family="quantization", paper="MLX affine quantization (mx.quantize)",
+        stores="K and V codes + per-group scale/bias, optional fp window",
+        rotatable=True,
+        drops_front=True,  # codes are per token: a ring may drop any of the oldest tokens
+        small=dict(bits=4, group_size=32, window=4), lossless=dict(bits=8, group_size=32),
+        stored_numerics=_stored_numerics, tune_grid=_tune_grid,
+        ladders={"affine": {"base": {"group_size": 32, "rotate": True},
+                            "knobs": {"bits": (2, 3, 4, 8)},
+                            "streams": {"bits": ("keys", "values")}}})
     attends = True
-    rotatable = True
-    drops_front = True  # codes are per token: a ring may drop any of the oldest tokens
     meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
     compute_dtype = mx.float32
-
-    @classmethod
-    def tune_grid(cls, context: int) -> list[dict[str, Any]]:
-        # 8 bits down to 2, groups of 32 (finer scales) below 8 bits; a 32-token fp window.
-        return [dict(bits=b, group_size=g, window=32)
-                for b, g in ((8, 64), (6, 64), (5, 32), (4, 32), (3, 32), (2, 32))]
-
-    @classmethod
-    def precision_ladders(cls) -> dict[str, dict[str, Any]]:
-        return {cls.method: {"base": {"group_size": 32, "rotate": True},
-                             "knobs": {"bits": (2, 3, 4, 8)},
-                             "streams": {"bits": ("keys", "values")}}}
-
-    @classmethod
-    def small_options(cls) -> dict[str, Any]:
-        return dict(bits=4, group_size=32, window=4)
-
-    @classmethod
-    def lossless_options(cls) -> dict[str, Any]:
-        return dict(bits=8, group_size=32)
-
-    @classmethod
-    def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
-        """Every token older than the window is read back as its per-token codes, coded
-        as soon as it is stored (a chunk longer than the window attends over its own
-        codes), from the window dtype (from the input when the window was empty). Exact
-        but for code flips (measured: at most 0.16 of a step at 4 and 8 bits)."""
-        o = config.layer_options(layer.layer_idx)
-        # The window is held in the window dtype; without one, codes come from the input.
-        hold = cast(config.window_dtype) if o.window else None
-        s = Stream(affine_roundtrip(o.bits, o.group_size), keep=o.window, hold=hold,
-                   fresh_from_input=True)
-        return StoredNumerics(s, s, bound=code_flips(o.bits, 0.4))
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -125,7 +117,7 @@ class AffineCache(StoredFormCache):
             self.codes[0].append(keys)
             self.codes[1].append(values)
             return keys, values
-        wdt = self.window_dtype(keys.dtype)
+        wdt = window_dtype(self.config, keys.dtype)
         for codes, win, x in zip(self.codes, self.win, (keys, values)):
             win.dtype = wdt
             # Joining the window is cheap (``window`` tokens); the first chunk is coded

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from veloxquant_mlx.cache import finite
-from veloxquant_mlx.cache.step_cost import StepCost
+from veloxquant_mlx.cache.profile import Profile
+from veloxquant_mlx.cache.step_cost import dense_flops, fp16_bytes
 from veloxquant_mlx.options import MethodOptions, config_error
 
 if TYPE_CHECKING:
@@ -43,6 +44,13 @@ copyreg.pickle(mx.Dtype, lambda d: (_dtype_named, (str(d).rpartition(".")[2],)))
 # Functions ``(method_cls, config, layer, state, meta_state) -> cache | None`` that
 # rebuild a saved layer whose cache wraps the method's own (``cache.sliding`` adds one).
 LAYER_RESTORERS: list[Any] = []
+
+
+BATCH_ONLY = frozenset({"extract", "filter", "extend", "prepare", "finalize"})
+
+
+class BatchOnlyError(AttributeError, NotImplementedError):
+    """A batch-only call (``BATCH_ONLY``) on one sequence's cache."""
 
 
 class NotTrimmableError(ValueError, NotImplementedError):
@@ -104,41 +112,20 @@ def _meta_str(value: Any) -> str:
     return str(value)
 
 
-class CompressedCache(StepCost, _BaseCache, ABC):
+class CompressedCache(_BaseCache, ABC):
     """Base class of every veloxquant cache (one per layer); see the module docstring."""
 
-    # Registry facts (``veloxquant methods``), set by each method class.
-    method: ClassVar[str] = ""
-    family: ClassVar[str] = ""
-    paper: ClassVar[str] = "-"
-    stores: ClassVar[str] = ""
-    cross_layer: ClassVar[bool] = False
+    method: ClassVar[str] = ""  # the registry name
     Options: ClassVar[type[MethodOptions]] = MethodOptions
-    # Capabilities. ``recommended``: the near-lossless setting the demo and README show.
-    recommended: ClassVar[bool] = False
+    # What the method declares beside the cache: registry facts, what the builder may do
+    # with it, tests' and the tuner's options (``cache.profile``).
+    profile: ClassVar[Profile] = Profile()
+    # Runs attention over its own form (``attend``); ``update_and_fetch`` then returns
+    # only the new chunk.
     attends: ClassVar[bool] = False
-    supports_batching: ClassVar[bool] = True
-    # Keys/values meet attention only in dot products: the builder may rotate them.
-    rotatable: ClassVar[bool] = False
     meta_fields: ClassVar[tuple[str, ...]] = ("offset", "batch_size")
     # How a meta field is parsed back from its string (default: int).
     meta_types: ClassVar[dict[str, Any]] = {}
-
-    # ---- declared capabilities ----
-    # All shared code may know of a method (tests/test_capabilities.py).
-    # Takes over the owning module's call with a hook of its own (XQuant's ``update_x``).
-    hooks_module: ClassVar[bool] = False
-    min_layers: ClassVar[int] = 1  # fewest layers it compresses (a pair needs two)
-    # Holds fewer tokens than it saw (eviction): self-attending layers are refused.
-    evicts: ClassVar[bool] = False
-    # This layer holds what the method keeps once per model (``after_build``: a rotation).
-    owns_rotation: bool = False
-    # Drops its oldest tokens exactly (``drop_oldest``): a sliding ring may wrap it.
-    drops_front: ClassVar[bool] = False
-
-    @classmethod
-    def ring_alignment(cls, opts: Any) -> int:
-        return 1
 
     @classmethod
     def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
@@ -155,62 +142,6 @@ class CompressedCache(StepCost, _BaseCache, ABC):
     def reusable_prefix(self, keep: int) -> int | None:
         """Longest exact cut ``<= keep`` for reuse; None: as ``stored_numerics`` says."""
         return None
-
-    def drop_oldest(self, n: int) -> None:
-        """Forget the ``n`` oldest tokens (whole ``ring_alignment`` units), never re-coding."""
-        raise NotImplementedError(f"method {self.method!r} cannot drop its oldest tokens")
-
-    @classmethod
-    def needs_rotation(cls, opts: Any) -> bool:
-        """The options' codes assume rotated vectors: the builder rotates the caches."""
-        return False
-
-    @classmethod
-    def rotation_refusal(cls, opts: Any) -> str | None:
-        """Why ``rotate=True`` is wrong with these options of a ``rotatable`` method."""
-        return None
-
-    @classmethod
-    def replicated_by_tensor_parallelism(cls, opts: Any, kv_width: int, hidden: int
-                                         ) -> str | None:
-        """What every tensor-parallel rank holds whole (``None``: its own heads only)."""
-        return None
-
-    @classmethod
-    def curve_tags(cls, opts: Any) -> list[str]:
-        """Options that put it on another bytes-to-quality curve (``veloxquant tune``)."""
-        return []
-
-    @classmethod
-    def precision_ladders(cls) -> dict[str, dict[str, Any]]:
-        """``eval.mixed`` ladders: name -> ``{"base": options, "knobs": {option: widths
-        ascending}, "streams": {option: ("keys", "values")}}``."""
-        return {}
-
-    @classmethod
-    def small_options(cls) -> dict[str, Any]:
-        """Options that compress a tiny model's 40-token prompt (head_dim 32, 4 layers)."""
-        return {}
-
-    @classmethod
-    def lossless_options(cls) -> dict[str, Any]:
-        """Options that keep (nearly) everything of a 40-token prompt (tests)."""
-        return {}
-
-    @classmethod
-    def few_layer_options(cls) -> dict[str, Any]:
-        """Options added on models of one or two layers, so it still compresses."""
-        return {}
-
-    @classmethod
-    def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> Any:
-        """Its numerics for the tests' same-numerics reference (``cache.numerics``)."""
-        from veloxquant_mlx.cache.numerics import StoredNumerics
-        return StoredNumerics()  # nothing coded or evicted
-
-    def attention_slots(self) -> tuple[list[Any], list[Any]]:
-        """Key and value parts (``ops.attention.Slot``) decode attention multiplies."""
-        return [], []
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         self.config = config
@@ -259,40 +190,6 @@ class CompressedCache(StepCost, _BaseCache, ABC):
 
     # ---- building (class-level hooks of the builder) ----
     @classmethod
-    def supports_layer(cls, layer_cache: Any) -> bool:
-        """Whether this method replaces the model's own cache of this layer.
-
-        Plain full-attention layers use mlx_lm's ``KVCache``; sliding-window and
-        recurrent layers keep their own cache unless a method overrides this.
-        """
-        return type(layer_cache) is KVCache
-
-    @classmethod
-    def assign_roles(cls, layers: list[LayerInfo], config: KVCacheConfig, model: Any) -> None:
-        """Set group ids / member indices and inject coordinators (cross-layer methods).
-
-        ``layers`` are the layers this method compresses, in model order. The default
-        makes every layer its own group of one.
-        """
-        for i, info in enumerate(layers):
-            info.group_id, info.member_idx, info.group_size = i, 0, 1
-
-    @classmethod
-    def after_build(cls, caches: list[CompressedCache], config: KVCacheConfig,
-                    model: Any) -> None:
-        """Hook run once all caches of a model are built (link pairs, install hooks)."""
-
-    @classmethod
-    def detach(cls, model: Any) -> None:
-        """Remove whatever ``after_build`` installed on ``model`` (default: nothing)."""
-
-    @classmethod
-    def tune_grid(cls, context: int) -> list[dict[str, Any]]:
-        """Option sets ``veloxquant tune`` tries at ``context`` tokens, spanning the
-        method's useful range of compression (default: none, the method is not tuned)."""
-        return []
-
-    @classmethod
     def from_saved(cls, config: KVCacheConfig, layer: LayerInfo, state: Any,
                    meta_state: tuple[str, ...]) -> CompressedCache:
         """Rebuild a saved cache: ``meta_state`` first (it says how ``state`` is laid out).
@@ -337,7 +234,7 @@ class CompressedCache(StepCost, _BaseCache, ABC):
     @classmethod
     def merge(cls, caches: list[Any]) -> Any:
         """One batch cache over per-sequence caches (mlx_lm's ``_merge_caches``)."""
-        if not cls.supports_batching:
+        if not cls.profile.batching:
             raise NotImplementedError(
                 f"method {cls.method!r} does not support batch merging: generate one "
                 "sequence at a time")
@@ -345,32 +242,16 @@ class CompressedCache(StepCost, _BaseCache, ABC):
 
         return BatchedCache.merge(caches)
 
-    def _batch_only(self, name: str) -> NotImplementedError:
-        return NotImplementedError(
-            f"{type(self).__name__} ({self.method!r}): {name} is defined on a merged "
-            "batch cache; merge per-sequence caches first with merge([...])")
-
-    def extract(self, idx: int) -> Any:
-        raise self._batch_only("extract")
-
-    def filter(self, batch_indices: list[int]) -> None:
-        raise self._batch_only("filter")
-
-    def extend(self, other: Any) -> None:
-        raise self._batch_only("extend")
-
-    def prepare(self, **kwargs: Any) -> None:
-        raise self._batch_only("prepare")
-
-    def finalize(self) -> None:
-        raise self._batch_only("finalize")
+    def __getattr__(self, name: str) -> Any:
+        # mlx_lm's batch-only calls get an error that says what to do instead; they are
+        # not members, so ``hasattr`` still tells a merged batch from a sequence's cache.
+        if name in BATCH_ONLY:
+            raise BatchOnlyError(
+                f"{type(self).__name__} ({self.method!r}): {name} is defined on a merged "
+                "batch cache; merge per-sequence caches first with merge([...])")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ---- storage accounting ----
-    def step_arrays(self) -> list[mx.array]:
-        """What a step's attention output must depend on (``depend_on_state``): what
-        this cache holds; a cross-layer cache adds what its step changed in the group."""
-        return self.held_arrays()
-
     @property
     def nbytes(self) -> int:
         """Bytes of the distinct arrays held (what the cache declares it costs)."""
@@ -383,17 +264,15 @@ class CompressedCache(StepCost, _BaseCache, ABC):
             total += a.nbytes
         return total
 
-    def fp16_bytes(self) -> int:
-        """Bytes a dense float16 cache (mlx_lm's for this layer: a local layer's holds
-        its window at most) would hold for the same tokens."""
-        width = self.layer.n_kv_heads * (self.layer.head_dim + self.layer.v_head_dim)
-        return max(self.batch_size, 1) * self.window_tokens() * width * 2
-
+    def decode_flops(self) -> int:
+        """FLOPs of one decode query's attention here (``cache.step_cost``: dense
+        attention's over the tokens it attends unless the method says otherwise)."""
+        return dense_flops(self)
 
     def stats(self) -> dict[str, Any]:
         """Held bytes, accounted bytes, fp16-equivalent bytes, tokens and ratio."""
         held = self.nbytes
-        fp16 = self.fp16_bytes()
+        fp16 = fp16_bytes(self)
         return {
             "method": self.method,
             "layer": self.layer.layer_idx,
@@ -428,52 +307,68 @@ class CompressedCache(StepCost, _BaseCache, ABC):
         for name, text in zip(self.meta_fields, v):
             setattr(self, name, self.meta_types.get(name, int)(text))
 
-    # ---- helpers for subclasses ----
-    def window_dtype(self, compute_dtype: mx.Dtype) -> mx.Dtype:
-        """Dtype of the full-precision window (config ``window_dtype``)."""
-        name = self.config.window_dtype
-        return compute_dtype if name is None else DTYPES[name]
 
-    def check_input(self, keys: mx.array, values: mx.array) -> None:
-        """Shapes must match the layer this cache was built for; values must be finite."""
-        if keys.ndim != 4 or values.ndim != 4:
-            raise ValueError(
-                f"{self.method}: keys/values must be [B, n_kv_heads, L, head_dim], got "
-                f"keys {tuple(keys.shape)} and values {tuple(values.shape)}")
-        B, H, L, D = keys.shape
-        if H != self.layer.n_kv_heads or D != self.layer.head_dim:
-            raise ValueError(
-                f"{self.method} cache of layer {self.layer.layer_idx}: keys shape "
-                f"{tuple(keys.shape)} does not match n_kv_heads={self.layer.n_kv_heads}, "
-                f"head_dim={self.layer.head_dim}")
-        if values.shape[:3] != (B, H, L) or values.shape[3] != self.layer.v_head_dim:
-            raise ValueError(
-                f"{self.method} cache of layer {self.layer.layer_idx}: values shape "
-                f"{tuple(values.shape)} does not match keys {tuple(keys.shape)} / "
-                f"v_head_dim={self.layer.v_head_dim}")
-        self.check_routing()
-        if self.batch_size and B != self.batch_size:
-            raise ValueError(f"{self.method}: batch size changed from {self.batch_size} to {B}")
-        # Prompt chunks only: a check per decode step would force a sync in every layer.
-        if L > 1 and not finite.already_checked():
-            finite.require(keys, values, f"{self.method} cache of layer {self.layer.layer_idx}")
-        self.check_budget(L)
+def window_dtype(config: KVCacheConfig, compute_dtype: mx.Dtype) -> mx.Dtype:
+    """Dtype of a full-precision window (config ``window_dtype``; None: as computed)."""
+    name = config.window_dtype
+    return compute_dtype if name is None else DTYPES[name]
 
-    def check_routing(self) -> None:
-        """A cache that runs its own attention returns only the new chunk: used after its
-        model was detached, the model would attend over that chunk alone."""
-        if self.attends and self.layer.routing is not None and not self.layer.routing():
-            raise RuntimeError(
-                f"{self.method} cache of layer {self.layer.layer_idx} was built for a model "
-                "that has since been detached (KVCacheBuilder.detach): its attention no "
-                "longer reaches the cache; build new caches for it")
 
-    def check_budget(self, n_new: int) -> None:
-        """Writing ``n_new`` more tokens must stay within ``KVCacheConfig.max_ctx``."""
-        if self.offset + n_new > self.config.max_ctx:
-            raise ValueError(
-                f"{self.method} cache of layer {self.layer.layer_idx}: {self.offset + n_new} "
-                f"tokens exceed KVCacheConfig.max_ctx={self.config.max_ctx}")
+def check_input(cache: CompressedCache, keys: mx.array, values: mx.array) -> None:
+    """A chunk's shapes must match the layer ``cache`` was built for, its values be
+    finite, its model still route attention to it, and its tokens fit ``max_ctx``."""
+    info, name = cache.layer, cache.method
+    if keys.ndim != 4 or values.ndim != 4:
+        raise ValueError(
+            f"{name}: keys/values must be [B, n_kv_heads, L, head_dim], got "
+            f"keys {tuple(keys.shape)} and values {tuple(values.shape)}")
+    B, H, L, D = keys.shape
+    if H != info.n_kv_heads or D != info.head_dim:
+        raise ValueError(
+            f"{name} cache of layer {info.layer_idx}: keys shape {tuple(keys.shape)} does "
+            f"not match n_kv_heads={info.n_kv_heads}, head_dim={info.head_dim}")
+    if values.shape[:3] != (B, H, L) or values.shape[3] != info.v_head_dim:
+        raise ValueError(
+            f"{name} cache of layer {info.layer_idx}: values shape "
+            f"{tuple(values.shape)} does not match keys {tuple(keys.shape)} / "
+            f"v_head_dim={info.v_head_dim}")
+    _check_routing(cache)
+    if cache.batch_size and B != cache.batch_size:
+        raise ValueError(f"{name}: batch size changed from {cache.batch_size} to {B}")
+    # Prompt chunks only: a check per decode step would force a sync in every layer.
+    if L > 1 and not finite.already_checked():
+        finite.require(keys, values, f"{name} cache of layer {info.layer_idx}")
+    check_budget(cache, L)
+
+
+def _check_routing(cache: CompressedCache) -> None:
+    """A cache that runs its own attention returns only the new chunk: used after its
+    model was detached, the model would attend over that chunk alone."""
+    info = cache.layer
+    if cache.attends and info.routing is not None and not info.routing():
+        raise RuntimeError(
+            f"{cache.method} cache of layer {info.layer_idx} was built for a model that "
+            "has since been detached (KVCacheBuilder.detach): its attention no longer "
+            "reaches the cache; build new caches for it")
+
+
+def check_budget(cache: CompressedCache, n_new: int) -> None:
+    """Writing ``n_new`` more tokens must stay within ``KVCacheConfig.max_ctx``."""
+    if cache.offset + n_new > cache.config.max_ctx:
+        raise ValueError(
+            f"{cache.method} cache of layer {cache.layer.layer_idx}: "
+            f"{cache.offset + n_new} tokens exceed KVCacheConfig.max_ctx="
+            f"{cache.config.max_ctx}")
+
+
+def require_built(cache: CompressedCache) -> None:
+    """A cache adopts a saved state only once built with its config and layer (mlx_lm's
+    ``from_state`` skips ``__init__``)."""
+    if "stored" not in cache.__dict__:
+        raise TypeError(
+            f"{type(cache).__name__} needs its config and layer to adopt a saved state: "
+            "rebuild it with from_saved(config, layer, state, meta_state) or "
+            "veloxquant_mlx.load_prompt_cache")
 
 
 def depend_on_state(outputs: Any, cache: Any) -> Any:
@@ -483,7 +378,8 @@ def depend_on_state(outputs: Any, cache: Any) -> Any:
     ``mx.eval(logits)`` leaves them unevaluated and their graph keeps the chunk's
     full-precision keys and values alive until something evaluates the state.
     """
-    arrays = getattr(cache, "step_arrays", cache.held_arrays)()
+    compressed = isinstance(cache, CompressedCache)  # else a batch: its rows' arrays
+    arrays = type(cache).profile.step_arrays(cache) if compressed else cache.held_arrays()
     held = [a for a in arrays if a is not None]
     return mx.depends(outputs, held) if held else outputs
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.base import LayerInfo, require_group_divides
+from veloxquant_mlx.cache.base import LayerInfo, require_group_divides, window_dtype
 from veloxquant_mlx.cache.numerics import (
     StoredNumerics,
     Stream,
@@ -39,6 +39,7 @@ from veloxquant_mlx.cache.numerics import (
     channel_roundtrip,
     code_flips,
 )
+from veloxquant_mlx.cache.profile import Profile
 from veloxquant_mlx.cache.segments import ChannelCodes, Dense, StoredForm, TokenCodes
 from veloxquant_mlx.cache.stored import StoredFormCache
 from veloxquant_mlx.ops import quantize as q
@@ -76,58 +77,58 @@ class KIVIOptions(MethodOptions):
                              "(KIVI quantizes the key residual in blocks of window tokens)")
 
 
+def _tune_grid(context: int) -> list[dict[str, Any]]:
+    # The paper's 2 and 4 bits with residual windows of 32 to 128 tokens.
+    return [dict(bits=b, group_size=32, window=w) for b in (4, 2) for w in (128, 32)]
+
+
+def _ring_alignment(opts: Any) -> int:
+    # Keys are quantized in blocks of the residual length, counted from the cache's
+    # first token: a drop of whole blocks keeps the rest aligned.
+    return opts.window
+
+
+def _precision_ladders() -> dict[str, dict[str, Any]]:
+    return {"kivi": {"base": {}, "knobs": {"bits": (2, 4)},
+                         "streams": {"bits": ("keys", "values")}}}
+
+
+def _stored_numerics(config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
+    """Keys: whole blocks of ``window`` tokens coded per channel in groups of
+    ``group_size`` tokens; values: per token once older than the last ``window``, in
+    blocks of ``block``; both coded at the next update (a step attends over its
+    tokens as received); trimming cuts key groups as ``trim`` says. Exact but for
+    code flips (measured: at most 0.1 of a step at 4 bits)."""
+    o = config.layer_options(layer.layer_idx)
+    hold = cast(config.window_dtype)  # the residual's dtype
+    keys = Stream(channel_roundtrip(o.bits, o.group_size), block=o.window,
+                  commit="next", hold=hold, trim_group=o.group_size)
+    values = Stream(affine_roundtrip(o.bits, o.group_size), keep=o.window,
+                    block=o.block, commit="next", hold=hold)
+    return StoredNumerics(keys, values, bound=code_flips(o.bits, 0.25))
+
+
 @register
 class KIVICache(StoredFormCache):
     """Per-channel key codes, per-token value codes, and a full-precision residual."""
 
     method = "kivi"
-    family = "quantization"
-    paper = "KIVI, Liu et al., ICML 2024 (arXiv 2402.02750)"
-    stores = "K per-channel / V per-token packed codes + fp residual window"
     Options = KIVIOptions
+    profile = Profile(
+        family="quantization",
+        paper="KIVI, Liu et al., ICML 2024 (arXiv 2402.02750)",
+        stores="K per-channel / V per-token packed codes + fp residual window",
+        rotatable=True,
+        drops_front=True,  # in whole key blocks (``ring_alignment``)
+        tune_grid=_tune_grid,
+        ring_alignment=_ring_alignment,
+        ladders=_precision_ladders(),
+        small=dict(bits=4, group_size=32, window=32),
+        lossless=dict(bits=4, group_size=32, window=128),
+        stored_numerics=_stored_numerics,
+    )
     attends = True
-    rotatable = True
-    drops_front = True  # in whole key blocks (``ring_alignment``)
     meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
-
-    @classmethod
-    def tune_grid(cls, context: int) -> list[dict[str, Any]]:
-        # The paper's 2 and 4 bits with residual windows of 32 to 128 tokens.
-        return [dict(bits=b, group_size=32, window=w) for b in (4, 2) for w in (128, 32)]
-
-    @classmethod
-    def ring_alignment(cls, opts: Any) -> int:
-        # Keys are quantized in blocks of the residual length, counted from the cache's
-        # first token: a drop of whole blocks keeps the rest aligned.
-        return opts.window
-
-    @classmethod
-    def precision_ladders(cls) -> dict[str, dict[str, Any]]:
-        return {cls.method: {"base": {}, "knobs": {"bits": (2, 4)},
-                             "streams": {"bits": ("keys", "values")}}}
-
-    @classmethod
-    def small_options(cls) -> dict[str, Any]:
-        return dict(bits=4, group_size=32, window=32)
-
-    @classmethod
-    def lossless_options(cls) -> dict[str, Any]:
-        return dict(bits=4, group_size=32, window=128)
-
-    @classmethod
-    def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
-        """Keys: whole blocks of ``window`` tokens coded per channel in groups of
-        ``group_size`` tokens; values: per token once older than the last ``window``, in
-        blocks of ``block``; both coded at the next update (a step attends over its
-        tokens as received); trimming cuts key groups as ``trim`` says. Exact but for
-        code flips (measured: at most 0.1 of a step at 4 bits)."""
-        o = config.layer_options(layer.layer_idx)
-        hold = cast(config.window_dtype)  # the residual's dtype
-        keys = Stream(channel_roundtrip(o.bits, o.group_size), block=o.window,
-                      commit="next", hold=hold, trim_group=o.group_size)
-        values = Stream(affine_roundtrip(o.bits, o.group_size), keep=o.window,
-                        block=o.block, commit="next", hold=hold)
-        return StoredNumerics(keys, values, bound=code_flips(o.bits, 0.25))
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -147,14 +148,14 @@ class KIVICache(StoredFormCache):
 
     def incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The chunk in the residual's dtype."""
-        wdt = self.window_dtype(keys.dtype)
+        wdt = window_dtype(self.config, keys.dtype)
         return keys.astype(wdt), values.astype(wdt)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array,
                          incoming: tuple[mx.array, mx.array] | None = None
                          ) -> tuple[mx.array, mx.array]:
         self.begin(keys, values)  # a step that did not attend leaves its tokens uncoded
-        wdt = self.window_dtype(keys.dtype)
+        wdt = window_dtype(self.config, keys.dtype)
         for res, x in zip(self.residual, incoming or self.incoming(keys, values)):
             res.dtype = wdt
             res.append(x)

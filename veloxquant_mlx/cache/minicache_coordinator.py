@@ -266,7 +266,7 @@ class MiniCacheCoordinator:
         return mx.argpartition(dist, kth=r - 1, axis=-1)[..., :r].astype(mx.int32)
 
     # ---- trimming ----
-    def trim(self, pair_id: int, keep: int) -> None:
+    def cut(self, pair_id: int, keep: int) -> None:
         """Keep the pair's first ``keep`` tokens (both layers; the call of the pair's
         other layer with the same ``keep`` finds nothing left to do).
 
@@ -337,73 +337,82 @@ class MiniCacheCoordinator:
             x = mx.put_along_axis(x, idx, part.retained[member].astype(dtype), axis=2)
         return x
 
-    # ---- save / load ----
-    def member_state(self, pair_id: int, member: int) -> list:
-        """The arrays one member holds, as a nested list (its share of the store).
+    def side_dense(self, pair_id: int, member: int, side: int, dtype: mx.Dtype
+                   ) -> mx.array:
+        """Transient dense keys (``side`` 0) or values (1) of one member."""
+        return self.reconstruct(pair_id, member, dtype)[side]
 
-        ``[keys share, values share, window]``; a share is ``[magnitude, retained]``
-        plus, for the primary, ``[direction, retained positions]`` (the direction as
-        ``[codes, scales, biases]`` when quantized); the window is ``[keys, values]``.
-        """
+    # ---- one member's share of a pair, per side (``cache.merged``) ----
+    def tokens(self, pair_id: int, member: int) -> int:
+        """Tokens one member holds: merged, then its window."""
         s = self.store(pair_id)
-        out = []
-        for part in (s.keys, s.values):
-            share = [part.magnitude[member], part.retained[member]]
-            if member == 0:
-                d = part.direction
-                share += [d.arrays if isinstance(d, q.Quantized) else d, part.retained_idx]
-            out.append(share)
+        return s.n_merged + s.n_pending(member)
+
+    def side_arrays(self, pair_id: int, member: int, side: int) -> list[mx.array]:
+        """Arrays one member holds of one side; the shared direction and positions go to
+        the primary (counted once)."""
+        s = self.store(pair_id)
         p = s.pending[member]
-        out.append(None if p is None else [p[0], p[1]])
-        return out
+        return _parts(s)[side].arrays(member) + ([] if p is None else [p[side]])
+
+    def side_accounted(self, pair_id: int, member: int, side: int, batch: int,
+                       n_heads: int, dim: int) -> int:
+        """Storage formula of one member's share of one side."""
+        s = self.store(pair_id)
+        item = mx.zeros((), self.store_dtype).itemsize
+        r = s.n_retained()[side]
+        per_head = s.n_merged * item + r * dim * item  # magnitudes, retained vectors
+        per_head += s.n_pending(member) * dim * item
+        if member == 0:  # directions + int32 positions
+            per_tok = dim * item if self.bits is None else \
+                q.quantized_bytes(dim, self.bits, self.group_size)
+            per_head += s.n_merged * per_tok + r * 4
+        return batch * n_heads * per_head
+
+    def share_state(self, pair_id: int, member: int, side: int) -> list:
+        """``[magnitude, retained]`` plus, for the primary, ``[direction, retained
+        positions]`` (the direction as ``[codes, scales, biases]`` when quantized)."""
+        part = _parts(self.store(pair_id))[side]
+        share = [part.magnitude[member], part.retained[member]]
+        if member == 0:
+            d = part.direction
+            share += [d.arrays if isinstance(d, q.Quantized) else d, part.retained_idx]
+        return share
+
+    def window_state(self, pair_id: int, member: int) -> list | None:
+        p = self.store(pair_id).pending[member]
+        return None if p is None else [p[0], p[1]]
+
+    def load_share(self, pair_id: int, member: int, side: int, share: list) -> None:
+        """Refill one member's share of one side from ``share_state`` output."""
+        part = _parts(self.store(pair_id))[side]
+        part.magnitude[member], part.retained[member] = share[0], share[1]
+        if member == 0:
+            d = share[2]
+            if isinstance(d, (list, tuple)):
+                if self.bits is None:
+                    raise ValueError("saved MiniCache directions are quantized but "
+                                     "this coordinator has bits=None (minicache option bits)")
+                d = q.Quantized(d[0], d[1], d[2], self.bits, self.group_size)
+            part.direction, part.retained_idx = d, share[3]
+
+    def load_window(self, pair_id: int, member: int, window: list | None) -> None:
+        self.store(pair_id).pending[member] = None if window is None else \
+            (window[0], window[1])
 
     def counters(self, pair_id: int) -> tuple[int, int, int]:
         """``(n_merged, published_end, consumed_end)`` of a pair (saved by the primary)."""
         s = self.store(pair_id)
         return s.n_merged, s.published_end, s.consumed_end
 
-    def load_member_state(self, pair_id: int, member: int, state: list,
-                          counters: tuple[int, int, int] | None = None) -> None:
-        """Refill one member's share of a pair from ``member_state`` output."""
+    def set_counters(self, pair_id: int, counters: tuple[int, int, int]) -> None:
         s = self.store(pair_id)
-        for part, share in zip((s.keys, s.values), state[:2]):
-            part.magnitude[member], part.retained[member] = share[0], share[1]
-            if member == 0:
-                d = share[2]
-                if isinstance(d, (list, tuple)):
-                    if self.bits is None:
-                        raise ValueError("saved MiniCache directions are quantized but "
-                                         "this coordinator has bits=None (minicache option bits)")
-                    d = q.Quantized(d[0], d[1], d[2], self.bits, self.group_size)
-                part.direction, part.retained_idx = d, share[3]
-        p = state[2]
-        s.pending[member] = None if p is None else (p[0], p[1])
-        if counters is not None:
-            s.n_merged, s.published_end, s.consumed_end = counters
+        s.n_merged, s.published_end, s.consumed_end = counters
 
-    # ---- accounting ----
-    def held_arrays(self, pair_id: int, member: int) -> list[mx.array]:
-        """Arrays one member holds; the shared direction and indices go to the primary."""
-        s = self.store(pair_id)
-        out = s.keys.arrays(member) + s.values.arrays(member)
-        if s.pending[member] is not None:
-            out += list(s.pending[member])
-        return out
+    def pair_arrays(self, pair_id: int) -> list[mx.array]:
+        """Everything the pair holds (both members)."""
+        return [a for m in (0, 1) for side in (0, 1) for a in self.side_arrays(pair_id, m, side)]
 
-    def accounted_bytes(self, pair_id: int, member: int, batch: int, n_heads: int,
-                        head_dim: int, v_head_dim: int) -> int:
-        """Storage formula of one member's share of the pair."""
-        s = self.store(pair_id)
-        item = mx.zeros((), self.store_dtype).itemsize
-        rk, rv = s.n_retained()
-        per_head = s.n_merged * 2 * item  # key and value magnitudes
-        per_head += (rk * head_dim + rv * v_head_dim) * item  # retained vectors
-        per_head += s.n_pending(member) * (head_dim + v_head_dim) * item
-        if member == 0:
-            if self.bits is None:
-                per_tok = (head_dim + v_head_dim) * item
-            else:
-                per_tok = sum(q.quantized_bytes(d, self.bits, self.group_size)
-                              for d in (head_dim, v_head_dim))
-            per_head += s.n_merged * per_tok + (rk + rv) * 4  # directions + int32 indices
-        return batch * n_heads * per_head
+
+def _parts(s: PairStore) -> tuple[_Part, _Part]:
+    return s.keys, s.values

@@ -32,9 +32,10 @@ from veloxquant_mlx.ops import quantize as q
 __all__ = ["FLOATS", "STORED_DTYPES", "check_arrays", "check_meta", "check_restored",
            "flat_state", "require_dtypes"]
 
-# Floats, codes, and int32 positions (indices a method checks against what it holds).
+# Floats, codes (signed or not), and int32 positions (indices a method checks against
+# what it holds); a segment's own encoder then says which of them each entry must be.
 STORED_DTYPES = (mx.float16, mx.bfloat16, mx.float32, mx.uint8, mx.uint16, mx.uint32,
-                 mx.int32)
+                 mx.int8, mx.int16, mx.int32)
 FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
@@ -129,6 +130,8 @@ def check_form(form: StoredForm, batch: int, heads: int, dims: tuple[int, int]) 
             entries = s.state()
             name = f"{index}.{j}" if isinstance(entry, tuple) else str(index)
             what = f"state entry {name} ({side} {s.kind} segment)"
+            if getattr(s, "checked_by_cache", False):
+                continue  # a share of a store kept across layers: ``check_state`` checks it
             if any(e is not None for e in entries):
                 n = _tokens(s, entries, what)
                 check_arrays(what, entries, _template(s, batch, heads, dim, n))
@@ -151,7 +154,7 @@ def _check_basics(cache: Any) -> None:
 
 def _check_dense_view(cache: Any, ring: bool) -> None:
     if type(cache).dense_kv is CompressedCache.dense_kv or cache.offset <= 0 \
-            or cache.hooks_module:
+            or cache.profile.hooks_module:
         # No dense view (eviction), or one the layer's module computes (XQuant runs the
         # module's own call, whose arguments a restore does not have): check_state.
         return
@@ -166,7 +169,7 @@ def _check_dense_view(cache: Any, ring: bool) -> None:
     if (tuple(k.shape), tuple(v.shape)) != want:
         raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} rebuilt from "
                          f"the saved arrays, expected {want[0]} and {want[1]}")
-    if n > cache.offset or (n != cache.offset and not (cache.evicts or ring)):
+    if n > cache.offset or (n != cache.offset and not (cache.profile.evicts or ring)):
         raise ValueError(f"the saved arrays hold {n} tokens; the saved offset is "
                          f"{cache.offset}")
 

@@ -28,6 +28,7 @@ rotation do not commute; ``KVCacheConfig`` refuses it).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -42,10 +43,12 @@ SEED = 0
 _CLASSES: dict[type, type] = {}
 
 
-def wants_rotation(config: KVCacheConfig) -> bool:
+def wants_rotation(config: KVCacheConfig, method_cls: type | None = None) -> bool:
     """Whether the builder rotates this config's caches: ``rotate=True``, or options whose
-    codes assume rotated vectors (the method's ``needs_rotation``: codebook stores)."""
-    return config.rotate or config.method_class.needs_rotation(config.options)
+    codes assume rotated vectors (the method's ``needs_rotation``: codebook stores).
+    ``method_cls``: the method's class where the caller has it (else looked up)."""
+    cls = config.method_class if method_cls is None else method_cls
+    return config.rotate or cls.profile.needs_rotation(config.options)
 
 
 def _turn(x: mx.array, rot: mx.array) -> mx.array:
@@ -118,13 +121,6 @@ class RotatedMixin:
     def accounted_bytes(self) -> int:
         return super().accounted_bytes() + sum(r.nbytes for r in self._rotations())
 
-    @classmethod
-    def after_build(cls, caches: list[CompressedCache], config: KVCacheConfig,
-                    model: Any) -> None:
-        super().after_build(caches, config, model)
-        for i, c in enumerate(caches):
-            getattr(c, "inner", c).owns_rotation = i == 0  # a ring holds the cache inside
-
     @property
     def meta_state(self) -> tuple[str, ...]:
         return (*super().meta_state, str(int(self.owns_rotation)))
@@ -135,13 +131,23 @@ class RotatedMixin:
         self.owns_rotation = v[-1] == "1"
 
 
+def _declared_once(profile: Any) -> Any:
+    """The method's ``after_build``, then the rotation declared by the first layer."""
+    def after_build(caches: list[CompressedCache], config: KVCacheConfig, model: Any) -> None:
+        profile.after_build(caches, config, model)
+        for i, c in enumerate(caches):
+            getattr(c, "inner", c).owns_rotation = i == 0  # a ring holds the cache inside
+    return after_build
+
+
 def rotated_class(cls: type) -> type:
     """``cls`` with the rotation around it (one class per method, made once)."""
     if getattr(cls, "rotated", False):
         return cls
     if cls not in _CLASSES:
-        body: dict[str, Any] = {"__module__": __name__,
-                                "stores": f"{cls.stores}; rotated per head"}
+        profile = dataclasses.replace(cls.profile, stores=f"{cls.profile.stores}; rotated "
+                                      "per head", after_build=_declared_once(cls.profile))
+        body: dict[str, Any] = {"__module__": __name__, "profile": profile}
         if cls.dense_kv is not CompressedCache.dense_kv:  # only where the method has one
             body["dense_kv"] = RotatedMixin._dense_back
         name = f"Rotated{cls.__name__}"

@@ -160,11 +160,11 @@ class Dense(Segment):
         self.x = entries[0]
 
 
-class _Buffered(Segment):
+class Buffered(Segment):
     """Per-token arrays in a buffer written in place (a reserve of about 3% of the
     tokens, counted). A per-token kind is also a codec without state: ``encode`` gives
     a chunk's stored arrays, ``slot_of`` reads such arrays back, ``token_bytes`` prices a
-    token (what eviction stores use, ``cache.kvstore``)."""
+    token (what a ring of codes uses, ``cache.kept``)."""
 
     def __init__(self) -> None:
         self.buf = TokenBuffer()
@@ -218,9 +218,14 @@ class _Buffered(Segment):
 
     def load(self, entries: Sequence[mx.array | None]) -> None:
         self.buf.load(None if entries[0] is None else list(entries))
+        if entries[0] is not None:
+            self.adopt(entries)
+
+    def adopt(self, entries: Sequence[mx.array]) -> None:
+        """Code new tokens as the loaded ``entries`` are coded (default: one way only)."""
 
 
-class TokenCodes(_Buffered):
+class TokenCodes(Buffered):
     """Per-token affine codes along the head dimension (``mx.quantize``; the input cast
     to ``dtype`` first when given, which sets the scales' dtype)."""
 
@@ -313,7 +318,7 @@ class ChannelCodes(Segment):
                                                              self.group_size)
 
 
-class CodebookCodes(_Buffered):
+class CodebookCodes(Buffered):
     """Per-vector Lloyd-Max codes of rotated vectors (``ops.codebook``): a float16 scale
     per vector and ``bits`` per channel (fractional widths split the channels), packed
     in bytes where the width allows (``packing``; bit planes in caches saved that way)."""
@@ -337,13 +342,11 @@ class CodebookCodes(_Buffered):
         n = arrays[0].shape[2] if arrays else 0
         return Slot("coded", arrays, n, (self.widths, self.packing))
 
-    def load(self, entries: Sequence[mx.array | None]) -> None:
-        super().load(entries)
-        if entries[0] is not None:
-            self.packing = cb.packing_of(entries, self.widths)
+    def adopt(self, entries: Sequence[mx.array]) -> None:
+        self.packing = cb.packing_of(entries, self.widths)  # saved in planes: go on so
 
 
-class FloatCodes(_Buffered):
+class FloatCodes(Buffered):
     """Per-token microscaled float codes (``ops.fpcodes``: ``nvfp4``, ``mxfp4``,
     ``mxfp8``): an 8-bit scale per group of channels, E2M1 / E4M3 values, no biases."""
 

@@ -56,7 +56,7 @@ def sliding_mode(method_cls: type, layer_cache: Any) -> str | None:
     ``"ring"`` or ``None`` (the layer keeps mlx_lm's own cache)."""
     if sliding_window_of(layer_cache) is None:
         return None
-    if method_cls.supports_layer(layer_cache):
+    if method_cls.profile.supports_layer(layer_cache):
         return "native"
     return "ring" if SlidingCache.wraps(method_cls) else None
 
@@ -84,7 +84,7 @@ class SlidingCache(CompressedCache):
         self.method_cls = method_cls
         self.method = method_cls.method
         self.window = int(self.layer.sliding_window)
-        self.align = max(1, int(method_cls.ring_alignment(config.options)))
+        self.align = max(1, int(method_cls.profile.ring_alignment(config.options)))
         # Rebuild once this many tokens are older than the window (a multiple of align).
         self.block = -(-max(self.window // 4, self.align) // self.align) * self.align
         self.inner = method_cls(config, self.layer)
@@ -93,7 +93,7 @@ class SlidingCache(CompressedCache):
 
     @classmethod
     def wraps(cls, method_cls: type) -> bool:
-        return method_cls.drops_front and method_cls.attends and not method_cls.cross_layer
+        return method_cls.profile.drops_front and method_cls.attends and not method_cls.profile.cross_layer
 
     # ---- the ring ----
     def _drop_old(self) -> None:
@@ -160,12 +160,6 @@ class SlidingCache(CompressedCache):
 
     def accounted_bytes(self) -> int:
         return self.inner.accounted_bytes()
-
-    def fp16_bytes(self) -> int:
-        """A dense float16 ring of the window holds at most ``W`` tokens."""
-        n = min(self.offset, self.window)
-        width = self.layer.n_kv_heads * (self.layer.head_dim + self.layer.v_head_dim)
-        return max(self.batch_size, 1) * n * width * 2
 
     @property
     def state(self) -> Any:

@@ -13,10 +13,12 @@ prompt token alone (``L == 1``). Compression runs at the first single-token step
 after a multi-token update, with the window queries taken from the end of the
 prefill (only a ``[B, Hq, window, D]`` slice is kept) plus that step's query.
 
-Decode speed: keys and values live in buffers with a small reserve (1/32 of the
-tokens held, counted in ``accounted_bytes``) that decode steps write in place.
+Storage (a ``StoredForm``, ``cache.segments``): until compression, the keys and values
+in buffers with a small reserve (1/32 of the tokens held, counted) that decode steps
+write in place (``kept.DenseBuffer``), and the observation-window queries beside them;
+compression keeps the chosen tokens by a gather (``kept.keep_chosen``).
 
-Stacked with quantization (``store="affine"`` or ``"codebook"``, ``cache.kvstore``): the
+Stacked with quantization (``store="affine"`` or ``"codebook"``, ``cache.kept``): the
 prompt is held dense until compression, as above; then the first ``sink`` prompt tokens
 (attention sinks, always kept) stay in the window dtype and the keep-set, the
 observation window and every later token are stored as codes. A step attends over its
@@ -34,11 +36,16 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import kvstore as ks
-from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, NotTrimmableError
+from veloxquant_mlx.cache import kept as kp
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, window_dtype
 from veloxquant_mlx.cache.numerics import StoredNumerics, dense_loss
-from veloxquant_mlx.ops.attention import attention_weights, sdpa, split_attention
-from veloxquant_mlx.ops.buffers import TokenBuffer, owned
+from veloxquant_mlx.cache.profile import Profile
+from veloxquant_mlx.cache.restore_check import check_arrays
+from veloxquant_mlx.cache.segments import Dense
+from veloxquant_mlx.cache.step_cost import dense_flops
+from veloxquant_mlx.cache.stored import StoredFormCache
+from veloxquant_mlx.ops.attention import attention_weights
+from veloxquant_mlx.ops.buffers import owned
 from veloxquant_mlx.options import MethodOptions
 from veloxquant_mlx.register import register
 
@@ -56,7 +63,7 @@ class SnapKVOptions(MethodOptions):
     window: the observation window (last prompt queries, kept in full);
     kernel: pooling kernel over the token axis (odd); pooling: ``"max"`` or ``"avg"``;
     store: how kept tokens are held, ``"dense"`` (window dtype), ``"affine"`` or
-    ``"codebook"`` (``cache.kvstore``); k_bits / v_bits / group_size: of a quantized
+    ``"codebook"`` (``cache.kept``); k_bits / v_bits / group_size: of a quantized
     store; sink: first prompt tokens always kept, in the window dtype (default: 4 with a
     quantized store, 0 with the dense one, as the paper).
     """
@@ -81,7 +88,7 @@ class SnapKVOptions(MethodOptions):
         if self.kernel % 2 == 0:
             raise self.error("kernel", "an odd integer >= 1 (the pooling keeps the length)")
         self.check_choice("pooling", POOLINGS)
-        ks.check_store_options(self)
+        kp.check_store_options(self)
         self.check_int("sink", minimum=0, optional=True)
 
     @property
@@ -127,36 +134,53 @@ def select_tokens(weights: mx.array, n_kv_heads: int, capacity: int, kernel: int
     return mx.sort(idx, axis=-1)  # keep the prompt order
 
 
+def _stored_numerics(config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
+    """Dense: the keep-set follows the queries' scores, which a cache-side reference
+    does not see. Nothing is evicted up to ``capacity + window`` prompt tokens;
+    beyond, evicting all but 16 of a 24-token prompt moves the logits of the tiny
+    models by up to 0.57 of their scale (bound 1.0: gross errors only there; the
+    lossless settings check the bookkeeping)."""
+    o = config.layer_options(layer.layer_idx)
+    return dense_loss(1.0, lossless_until=o.capacity + o.window + o.sinks)
+
+
+def _tune_grid(context: int) -> list[dict[str, Any]]:
+    # Keep-sets from half the prompt down to an eighth, dense and stored as 4- and
+    # 3-bit codebook codes (the window of 32 and 4 sinks on top).
+    grid: list[dict[str, Any]] = []
+    for frac in (0.5, 0.35, 0.25, 0.125):
+        cap = max(32, int(context * frac))
+        grid.append(dict(capacity=cap))
+        grid += [dict(capacity=cap, store="codebook", k_bits=b, v_bits=b)
+                 for b in (4, 3)]
+    return grid
+
+
 @register
-class SnapKVCache(ks.StoreCapabilities, CompressedCache):
+class SnapKVCache(StoredFormCache):
     """Top-``capacity`` prompt tokens per KV head + the observation window + decode."""
 
     method = "snapkv"
-    family = "eviction"
-    paper = "SnapKV, Li et al., 2024 (arXiv 2404.14469)"
-    stores = "top-capacity prompt tokens per KV head + observation window"
     Options = SnapKVOptions
+    profile = Profile(
+        needs_rotation=kp.store_needs_rotation, curve_tags=kp.store_curve_tags,
+        family="eviction",
+        paper="SnapKV, Li et al., 2024 (arXiv 2404.14469)",
+        stores="top-capacity prompt tokens per KV head + observation window",
+        evicts=True,
+        rotatable=True,
+        stored_numerics=_stored_numerics,
+        tune_grid=_tune_grid,
+        small=dict(capacity=16, window=4),
+        lossless=dict(capacity=1000),
+    )
     attends = True
-    evicts = True
-    rotatable = True
     meta_fields = ("offset", "batch_size", "window", "capacity", "kernel", "pooling",
                    "compressed", "evicted", "kept")
     meta_types = {"pooling": str, "compressed": lambda s: bool(int(s))}
-    # Defaults for instances that mlx_lm's ``from_state`` builds without __init__.
-    store = ks.DENSE
-    compressed = False
-    sink_kv = fresh = None
-    codes = ks.NO_CODES
-
-    @classmethod
-    def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
-        """Dense: the keep-set follows the queries' scores, which a cache-side reference
-        does not see. Nothing is evicted up to ``capacity + window`` prompt tokens;
-        beyond, evicting all but 16 of a 24-token prompt moves the logits of the tiny
-        models by up to 0.57 of their scale (bound 1.0: gross errors only there; the
-        lossless settings check the bookkeeping)."""
-        o = config.layer_options(layer.layer_idx)
-        return dense_loss(1.0, lossless_until=o.capacity + o.window + o.sinks)
+    # No dense view: a layer that attends by itself would never reach the eviction,
+    # which runs at attention (the builder refuses such layers instead).
+    dense_kv = CompressedCache.dense_kv
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -166,234 +190,133 @@ class SnapKVCache(ks.StoreCapabilities, CompressedCache):
         self.pooling = self.opts.pooling
         self.sink = self.opts.sinks
         info = self.layer
-        self.store = ks.make_store(self.opts, info.head_dim, info.v_head_dim, mx.float16,
-                                   f"layer {info.layer_idx}")
-        # Buffers; the first n_held token slots are used, the rest is the reserve.
-        self.kbuf: mx.array | None = None
-        self.vbuf: mx.array | None = None
-        self.n_held = 0
-        self.obs_queries: mx.array | None = None  # last `window` prefill queries
+        kp.check_store_fits(self.opts, info.head_dim, info.v_head_dim,
+                            f"layer {info.layer_idx}")
         self.compressed = False
         self.evicted = 0  # prompt tokens dropped (per KV head)
         self.kept = 0  # held tokens chosen per head (sinks + keep-set): not trimmable
-        # A quantized store after compression: sinks in the window dtype, the rest coded,
-        # the last step's tokens in full precision until it has attended.
-        self.sink_kv: ks.Block | None = None
-        self.codes = TokenBuffer()
-        self.fresh: ks.Block | None = None
+        # Until compression: every token in a reserve buffer, the last `window` prefill
+        # queries beside them (the saved layout: keys, values, queries while held).
+        wdt = window_dtype(self.config, None)
+        self.held = (kp.DenseBuffer(info.head_dim, wdt), kp.DenseBuffer(info.v_head_dim, wdt))
+        self.obs = Dense()
+        self.stored = kp.KeptForm([self.held[0]], [self.held[1]], aside=[self.obs],
+                                  optional=[*self.held, self.obs])
+        self.sinks = self.codes = self.fresh = None
 
-    @classmethod
-    def tune_grid(cls, context: int) -> list[dict[str, Any]]:
-        # Keep-sets from half the prompt down to an eighth, dense and stored as 4- and
-        # 3-bit codebook codes (the window of 32 and 4 sinks on top).
-        grid: list[dict[str, Any]] = []
-        for frac in (0.5, 0.35, 0.25, 0.125):
-            cap = max(32, int(context * frac))
-            grid.append(dict(capacity=cap))
-            grid += [dict(capacity=cap, store="codebook", k_bits=b, v_bits=b)
-                     for b in (4, 3)]
-        return grid
-
-    @classmethod
-    def small_options(cls) -> dict[str, Any]:
-        return dict(capacity=16, window=4)
-
-    @classmethod
-    def lossless_options(cls) -> dict[str, Any]:
-        return dict(capacity=1000)
+    def _to_coded_form(self) -> None:
+        """A quantized store after compression: sinks in the window dtype, the rest as
+        codes, the last step's tokens in full precision until it has attended (saved as
+        sinks, fresh tokens, codes: nested entries)."""
+        o, info = self.opts, self.layer
+        self.sinks, self.fresh = (Dense(), Dense()), (Dense(), Dense())
+        self.codes = (kp.store_codes(o, o.k_bits, info.head_dim),
+                      kp.store_codes(o, o.v_bits, info.v_head_dim))
+        self.stored = kp.KeptForm([self.sinks[0], self.codes[0], self.fresh[0]],
+                                  [self.sinks[1], self.codes[1], self.fresh[1]],
+                                  state_order=[self.sinks, self.fresh, self.codes])
 
     @property
     def coded(self) -> bool:
         """Whether kept tokens are held as codes (a quantized store, after compression)."""
-        return self.compressed and self.store.quantized
-
-    @property
-    def keys(self) -> mx.array | None:
-        """The held keys (a view of the buffer without its reserve)."""
-        return None if self.kbuf is None else self.kbuf[:, :, :self.n_held]
-
-    @property
-    def values(self) -> mx.array | None:
-        return None if self.vbuf is None else self.vbuf[:, :, :self.n_held]
-
-    def _set_held(self, keys: mx.array | None, values: mx.array | None) -> None:
-        self.kbuf, self.vbuf = keys, values
-        self.n_held = 0 if keys is None else keys.shape[2]
+        return self.compressed and self.opts.store != "dense"
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.check_input(keys, values)
-        self.batch_size = keys.shape[0]
-        wdt = self.window_dtype(keys.dtype)
-        k, v = keys.astype(wdt), values.astype(wdt)
-        L = keys.shape[2]
+        self.begin(keys, values)  # a step that did not attend leaves its tokens uncoded
         if self.coded:
-            self._flush()  # a step that did not attend leaves its tokens uncoded
-            self.fresh = [k, v]
-            self.offset += L
-            return keys, values
-        n = self.n_held
-        if self.kbuf is None or n + L > self.kbuf.shape[2]:
-            # Grow with a small reserve so decode steps write in place, not concatenate.
-            spare = (n + L) // 32
-            self.kbuf, self.vbuf = (
-                mx.concatenate([*([buf[:, :, :n]] if n else []), new,
-                                *([mx.zeros((*new.shape[:2], spare, new.shape[3]), wdt)]
-                                  if spare else [])], axis=2)
-                for buf, new in ((self.kbuf, k), (self.vbuf, v)))
+            wdt = window_dtype(self.config, keys.dtype)
+            for fresh, x in zip(self.fresh, (keys, values)):
+                fresh.set(x.astype(wdt))
         else:
-            self.kbuf[:, :, n:n + L] = k
-            self.vbuf[:, :, n:n + L] = v
-        self.n_held = n + L
-        self.offset += L
+            for held, x in zip(self.held, (keys, values)):
+                held.append(x)
         return keys, values
+
+    def commit(self) -> None:
+        """Code the tokens of the last step (after it attended over them)."""
+        if self.fresh is not None and self.fresh[0].n:
+            for codes, fresh in zip(self.codes, self.fresh):
+                codes.append(fresh.x)
+                fresh.set(None)
 
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         L = queries.shape[2]
         if not self.compressed:
             if L == 1:
                 self.compress(queries, scale)
-                self.compressed = True
-                self.obs_queries = None
             else:
                 # Still in the prompt: remember the last `window` queries.
                 q = queries.astype(mx.float32)
-                if self.obs_queries is not None and L < self.window:
-                    q = mx.concatenate([self.obs_queries, q], axis=2)
+                if self.obs.n and L < self.window:
+                    q = mx.concatenate([self.obs.x, q], axis=2)
                 # A copy: the slice would pin the whole chunk's queries until decode.
-                self.obs_queries = owned(q[:, :, -self.window:])
-        if self.coded:
-            used = self.codes.used()
-            coded = None if used is None else self.store.parts(used, queries.dtype)
-            # In time order: the last L keys are this step's ("causal" aligns at the end).
-            parts = [tuple(p) for p in (self.sink_kv, coded, self.fresh) if p is not None]
-            out = split_attention(queries, parts, scale, "causal" if L > 1 else None)
-            self._flush()
-            return out
+                self.obs.set(owned(q[:, :, -self.window:]))
         # New tokens are always the last L held ones, so "causal" aligns at the end.
-        return sdpa(queries, self.keys, self.values, scale, "causal" if L > 1 else None)
+        return super().attend(queries, scale, "causal" if L > 1 else None)
+
+    @classmethod
+    def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
+                    ) -> mx.array | None:
+        return None  # row by row: a row's first decode step compresses it
 
     def compress(self, queries: mx.array, scale: float) -> None:
         """Evict prompt tokens using the observation window ending at ``queries``."""
-        n = self.n_held
+        keys = self.held[0].buf.used()[0]
         obs = queries.astype(mx.float32)
-        if self.obs_queries is not None:
-            obs = mx.concatenate([self.obs_queries, obs], axis=2)
+        if self.obs.n:
+            obs = mx.concatenate([self.obs.x, obs], axis=2)
         obs = obs[:, :, -self.window:]
-        prefix = n - obs.shape[2]
+        prefix = keys.shape[2] - obs.shape[2]
         n_sink = max(0, min(self.sink, prefix))
-        keep = None  # the prefix after the sinks, when nothing is evicted
         if prefix - n_sink > self.capacity:
-            weights = attention_weights(obs, self.keys, scale, "causal")  # [B, Hq, W, n]
+            weights = attention_weights(obs, keys, scale, "causal")  # [B, Hq, W, n]
             idx = select_tokens(weights[..., n_sink:prefix], self.layer.n_kv_heads,
-                                self.capacity, self.kernel, self.pooling) + n_sink
-            keep = ks.gather([self.keys[:, :, :prefix], self.values[:, :, :prefix]], idx)
+                                self.capacity, self.kernel, self.pooling)
+            for held in self.held:
+                kp.keep_chosen(held, idx, n_sink, prefix)
             self.evicted = prefix - n_sink - self.capacity
+        self.compressed = True
+        self.obs.set(None)
         # Tokens chosen per head cannot be trimmed by position; without eviction only
         # the sinks (held apart from the codes) are in the way.
-        quantized = self.store.quantized
+        quantized = self.opts.store != "dense"
         self.kept = n_sink + self.capacity if self.evicted else (n_sink if quantized else 0)
         if quantized:
-            self._to_codes(keep, n_sink, prefix, queries.shape[2])
-        elif keep is not None:
-            sinks = [self.keys[:, :, :n_sink], self.values[:, :, :n_sink]] if n_sink else None
-            tail = [self.keys[:, :, prefix:], self.values[:, :, prefix:]]
-            self._set_held(*ks.cat(sinks, keep, tail))
-            mx.eval(self.kbuf, self.vbuf)  # drop the references to the full prompt
-
-    def _to_codes(self, keep: ks.Block | None, n_sink: int, prefix: int, L: int) -> None:
-        """Hold the compressed prompt as sinks (window dtype) + codes; the last ``L``
-        tokens (this step's) stay in full precision until it has attended."""
-        held = [self.keys, self.values]
-        self.sink_kv = ks.take(held, 0, n_sink)
-        if keep is None:
-            keep = ks.take(held, n_sink, prefix)
-        coded = ks.cat(keep, ks.take(held, prefix, self.n_held - L))
-        if coded is not None:
-            self.codes.append(self.store.encode(*coded))
-        self.fresh = ks.take(held, self.n_held - L)
-        self._set_held(None, None)
+            self._to_codes(n_sink, queries.shape[2])
+        self._pin()
         mx.eval(self.held_arrays())  # drop the references to the full prompt
 
-    def _flush(self) -> None:
-        """Code the tokens of the last step (after it attended over them)."""
-        if self.fresh is not None:
-            self.codes.append(self.store.encode(*self.fresh))
-            self.fresh = None
+    def _to_codes(self, n_sink: int, L: int) -> None:
+        """Hold the compressed prompt as sinks (window dtype) + codes; the last ``L``
+        tokens (this step's) stay in full precision until it has attended."""
+        held = [h.buf.used()[0] for h in self.held]
+        n = held[0].shape[2]
+        self._to_coded_form()
+        for sink, codes, fresh, x in zip(self.sinks, self.codes, self.fresh, held):
+            sink.set(x[:, :, :n_sink], copy=True)
+            if n - L > n_sink:
+                codes.append(x[:, :, n_sink:n - L])
+            fresh.set(x[:, :, n - L:], copy=True)
+        for h in self.held:  # the full-precision prompt goes
+            h.buf.load(None)
 
-    # ---- trimming ----
-    def is_trimmable(self) -> bool:
-        return True
+    def _pin(self) -> None:
+        self.stored.pinned = (self.kept, f"snapkv cache of layer {self.layer.layer_idx}: "
+                              "only its last {tail} tokens can be trimmed, not {n}: the "
+                              "{pinned} prompt tokens before them were chosen per KV head "
+                              "at compression and cannot be dropped by position")
 
-    def trim(self, n: int) -> int:
-        """Drop the last ``n`` tokens: exact after the keep-set, refused inside it."""
-        n = max(0, min(self.offset, n))
-        tail = self.offset - self.evicted - self.kept
-        if n > tail:
-            raise NotTrimmableError(
-                f"snapkv cache of layer {self.layer.layer_idx}: only its last {tail} tokens "
-                f"can be trimmed, not {n}: the {self.kept} prompt tokens before them were "
-                "chosen per KV head at compression and cannot be dropped by position")
-        if self.coded:
-            self._flush()
-            self.codes.truncate(self.codes.n - n)
-        elif n:
-            keep = self.n_held - n  # copies: the trimmed tail and the reserve are released
-            self._set_held(*(ks.take([self.keys, self.values], 0, keep) or (None, None)))
-            if self.obs_queries is not None:  # the window queries of trimmed tokens go
-                w = self.obs_queries.shape[2] - n
-                self.obs_queries = owned(self.obs_queries[:, :, :w]) if w > 0 else None
-        self.offset -= n
-        return n
-
-    def attended_tokens(self) -> int:
-        return self.offset - self.evicted
-
-    # ---- storage ----
-    def held_arrays(self) -> list[mx.array]:
-        out = [self.kbuf, self.vbuf, self.obs_queries, *(self.sink_kv or []),
-               *(self.fresh or []), *(self.codes.arrays or [])]
-        return [a for a in out if a is not None]
-
-    def accounted_bytes(self) -> int:
-        total = sum(a.nbytes for a in (*(self.sink_kv or []), *(self.fresh or [])))
-        total += max(self.batch_size, 1) * self.layer.n_kv_heads * self.codes.slots * \
-            self.store.token_bytes()
-        if self.kbuf is not None:
-            B, H, slots, D = self.kbuf.shape  # tokens held + reserve
-            total += B * H * slots * (D + self.vbuf.shape[3]) * self.kbuf.itemsize
-        if self.obs_queries is not None:
-            total += self.obs_queries.size * self.obs_queries.itemsize
-        return total
-
-    @property
-    def state(self) -> list[Any]:
-        if self.coded:
-            return [self.sink_kv, self.fresh, self.codes.used()]
-        arrays = [self.keys, self.values, self.obs_queries]
-        return [a for a in arrays if a is not None]
-
-    @state.setter
-    def state(self, v: list[Any]) -> None:
-        if self.coded:  # meta_state (set first) says how the state is laid out
-            self.sink_kv, self.fresh = v[0], v[1]
-            self.codes.load(v[2])
-            self.store.adopt(v[2])
-            return
-        self._set_held(*((v[0], v[1]) if v else (None, None)))
-        self.obs_queries = v[2] if len(v) > 2 else None
+    def decode_flops(self) -> int:
+        return dense_flops(self, self.offset - self.evicted)
 
     def check_state(self) -> None:
-        """The restored arrays against the layer, the store and the offset
-        (``cache.restore_check``: no dense view, so the arrays themselves)."""
-        B, H = self.batch_size, self.layer.n_kv_heads
-        dims = (self.layer.head_dim, self.layer.v_head_dim)
-        if self.coded:
-            n = ks.check_dense(self.sink_kv, B, H, dims, "sink tokens") + \
-                ks.check_dense(self.fresh, B, H, dims, "fresh tokens") + \
-                self.store.check(self.codes.used(), B, H, "coded tokens")
-        else:
-            held = None if self.kbuf is None else [self.keys, self.values]
-            n = ks.check_dense(held, B, H, dims, "held keys and values")
+        """The restored queries against the layer, and the tokens held against the
+        offset (the segments are checked by ``cache.restore_check``)."""
+        if self.obs.n:
+            B, Hq = self.batch_size, self.obs.x.shape[1]
+            check_arrays("observation-window queries", [self.obs.x],
+                         [mx.zeros((B, Hq, self.obs.n, self.layer.head_dim), mx.float32)])
+        n = self.stored.tokens()[0]
         if n != self.offset - self.evicted:
             raise ValueError(f"the saved arrays hold {n} tokens; offset {self.offset} less "
                              f"{self.evicted} evicted is {self.offset - self.evicted}")
@@ -409,3 +332,6 @@ class SnapKVCache(ks.StoreCapabilities, CompressedCache):
         CompressedCache.meta_state.fset(self, (*v, "0") if old else v)
         if old and self.compressed:
             self.kept = self.offset - self.evicted
+        if self.coded:  # the saved state is laid out as the coded form
+            self._to_coded_form()
+        self._pin()

@@ -1,8 +1,9 @@
 """What one decode step over a cache costs in arithmetic (the roofline's FLOPs).
 
-A mixin of ``CompressedCache``: the defaults are dense attention's over the tokens a
-query attends; a method that rebuilds keys or attends in a factor space overrides
-``decode_flops``, one that evicts overrides ``attended_tokens``.
+Functions of a cache (its ``layer``, ``offset`` and ``batch_size``): the default cost is
+dense attention's over the tokens a query attends. A method that rebuilds keys or
+attends in a factor space, or that evicts, overrides ``decode_flops`` with what it does
+(``dense_flops`` over the tokens it keeps, or its own count).
 """
 
 from __future__ import annotations
@@ -10,28 +11,28 @@ from __future__ import annotations
 from typing import Any
 
 
-class StepCost:
-    """``layer`` (a ``LayerInfo``), ``offset`` and ``batch_size`` come from the cache."""
+def window_tokens(cache: Any) -> int:
+    """Tokens within the layer's own attention window (a local layer's at most): what a
+    dense cache of this layer attends, whatever the method keeps."""
+    return min(cache.offset, cache.layer.sliding_window or cache.offset)
 
-    layer: Any
-    offset: int
-    batch_size: int
 
-    def window_tokens(self) -> int:
-        """Tokens within the layer's own attention window (a local layer's at most):
-        what a dense cache of this layer attends, whatever the method keeps."""
-        return min(self.offset, self.layer.sliding_window or self.offset)
+def query_heads(cache: Any) -> int:
+    """Query heads of the layer's attention (its KV heads if it does not say)."""
+    return int(getattr(cache.layer.attention, "n_heads", 0) or cache.layer.n_kv_heads)
 
-    def attended_tokens(self) -> int:
-        """Tokens a decode query attends here (a method that evicts: what it keeps)."""
-        return self.window_tokens()
 
-    def query_heads(self) -> int:
-        """Query heads of the layer's attention (its KV heads if it does not say)."""
-        return int(getattr(self.layer.attention, "n_heads", 0) or self.layer.n_kv_heads)
+def dense_flops(cache: Any, attended: int | None = None) -> int:
+    """FLOPs (2 per multiply-add) of one decode query's dense attention over
+    ``attended`` tokens (default: the layer's window of what it saw)."""
+    n = window_tokens(cache) if attended is None else attended
+    d = cache.layer.head_dim + cache.layer.v_head_dim
+    return 2 * max(cache.batch_size, 1) * query_heads(cache) * n * d
 
-    def decode_flops(self) -> int:
-        """FLOPs (2 per multiply-add) of one decode query's attention here: dense
-        attention's over the attended tokens unless the method says otherwise."""
-        d = self.layer.head_dim + self.layer.v_head_dim
-        return 2 * max(self.batch_size, 1) * self.query_heads() * self.attended_tokens() * d
+
+def fp16_bytes(cache: Any) -> int:
+    """Bytes a dense float16 cache (mlx_lm's for this layer: a local layer's holds its
+    window at most) would hold for the tokens ``cache`` has seen."""
+    info = cache.layer
+    width = info.n_kv_heads * (info.head_dim + info.v_head_dim)
+    return max(cache.batch_size, 1) * window_tokens(cache) * width * 2

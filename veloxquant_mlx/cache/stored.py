@@ -5,7 +5,7 @@ value segments in token order, ``cache.segments``) and writes ``update_and_fetch
 (which segment each new token goes to) and, if it codes tokens only after they were
 attended in full precision, ``commit``. Everything else comes from the form: held and
 accounted bytes, ``state`` (the form's state order is the saved layout), attention over
-the segments without a dense copy (``ops.attention.attend_parts``), the dense view for
+the segments without a dense copy (on the engine ``ops.dispatch`` picks), the dense view for
 layers that attend by themselves, exact ``trim`` and ring drops of the oldest tokens.
 
 "Code the new tokens after they are attended" is one mechanism: ``attend`` runs over the
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.base import CompressedCache
+from veloxquant_mlx.cache.base import CompressedCache, check_input, require_built
 from veloxquant_mlx.cache.segments import StoredForm
-from veloxquant_mlx.ops import kernels, native
-from veloxquant_mlx.ops.attention import attend_parts, decodes_at_once
+from veloxquant_mlx.ops import dispatch, kernels
+from veloxquant_mlx.ops.attention import attend_on_mlx, decodes_at_once
 from veloxquant_mlx.ops.batch_parts import batch_slots, heads_major, rows_major
 from veloxquant_mlx.ops.parts import Slot, slot_parts
 
@@ -67,7 +67,7 @@ class StoredFormCache(CompressedCache):
     def begin(self, keys: mx.array, values: mx.array) -> None:
         """Start of ``update_and_fetch``: checks, the previous step's pending tokens
         committed, and the bookkeeping of the new chunk."""
-        self.check_input(keys, values)
+        check_input(self, keys, values)
         self.commit()
         self.batch_size = keys.shape[0]
         self.compute_dtype = keys.dtype
@@ -87,11 +87,7 @@ class StoredFormCache(CompressedCache):
 
     @state.setter
     def state(self, v: list[Any]) -> None:
-        if "stored" not in self.__dict__:  # mlx_lm's ``from_state`` skips ``__init__``
-            raise TypeError(
-                f"{type(self).__name__} needs its config and layer to adopt a saved state: "
-                "rebuild it with from_saved(config, layer, state, meta_state) or "
-                "veloxquant_mlx.load_prompt_cache")
+        require_built(self)
         self.stored.load(v)
 
     def attention_slots(self) -> tuple[list[Slot], list[Slot]]:
@@ -108,22 +104,29 @@ class StoredFormCache(CompressedCache):
 
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         qr = self._turn_in(queries)
-        keys, values = slots = self.attention_slots()
-        out = _fused_rows([self], [slots], qr, scale, mask)
-        if out is not None:
-            return self._turn_out(out, queries.dtype)
-        blocked = not decodes_at_once(qr.shape[1], self.layer.n_kv_heads, qr.shape[2])
-        out = attend_parts(qr, _parts(keys, qr, blocked), _parts(values, qr, blocked), scale,
-                           mask)
+        keys, values = self.attention_slots()
+        parts = slot_parts(keys), slot_parts(values)
+        engine = dispatch.route(qr, dispatch.part_kind(*parts), mask, self.layer.n_kv_heads,
+                                sum(p.n for p in parts[0]), label=self._label())
+        out = (dispatch.fused_rows(qr, scale, [parts], mask) if engine == dispatch.FUSED
+               else None)
+        if out is None:
+            blocked = not decodes_at_once(qr.shape[1], self.layer.n_kv_heads, qr.shape[2])
+            out = attend_on_mlx(qr, _parts(keys, qr, blocked), _parts(values, qr, blocked),
+                                scale, mask)
         self.commit()  # the new tokens were attended in full precision: code them now
         return self._turn_out(out, queries.dtype)
+
+    def _label(self) -> str:
+        return f"{type(self).__name__} layer {self.layer.layer_idx}"
 
     @classmethod
     def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
                     ) -> mx.array | None:
-        """One attention call for one decode query per row (``cache.batch``): the rows'
-        segments padded side by side (``ops.batch_parts``). None when they cannot lie
-        side by side (other classes, options or bases)."""
+        """One attention call for one decode query per row (``cache.batch``): one fused
+        op, or the rows' segments padded side by side (``ops.batch_parts``), as
+        ``ops.dispatch`` picks. None when they cannot lie side by side (other classes,
+        options or bases)."""
         first = rows[0]
         if any(type(r) is not type(first)
                or any(a is not b for a, b in zip(r.basis, first.basis)) for r in rows):
@@ -131,18 +134,21 @@ class StoredFormCache(CompressedCache):
         if not decodes_at_once(queries.shape[1], first.layer.n_kv_heads, queries.shape[2]):
             return None
         slots = [r.attention_slots() for r in rows]
-        out = _fused_rows(rows, slots, first._turn_in(queries), scale)
-        if out is not None:
-            return first._turn_out(out, queries.dtype)
-        qh = heads_major(first._turn_in(queries), first.layer.n_kv_heads)
-        batched = batch_slots(slots, after=qh)
-        if batched is None:
+        qr = first._turn_in(queries)
+        parts = [tuple(slot_parts(s) for s in kv) for kv in slots]
+        kind = dispatch.part_kind([p for k, _ in parts for p in k],
+                                  [p for _, v in parts for p in v])
+        engine = dispatch.route(qr, kind, None, first.layer.n_kv_heads,
+                                sum(p.n for p in parts[0][0]), len(rows),
+                                label=f"{first._label()} x {len(rows)} rows")
+        out = dispatch.fused_rows(qr, scale, parts) if engine == dispatch.FUSED else None
+        if out is None and engine != dispatch.ROWS:
+            out = _padded(rows, slots, qr, scale)
+        if out is None:
             return None
-        out = attend_parts(qh, _parts(batched.keys, qh), _parts(batched.values, qh), scale,
-                           batched.mask, batched.value_index)
         for r in rows:
             r.commit()
-        return first._turn_out(rows_major(out, len(rows)), queries.dtype)
+        return first._turn_out(out, queries.dtype)
 
     def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
         """Transient dense keys/values: every segment decoded, in token order (and
@@ -178,19 +184,17 @@ class StoredFormCache(CompressedCache):
         self.offset -= n
 
 
-def _fused_rows(rows: list[Any], slots: list[tuple[list[Slot], list[Slot]]],
-                queries: mx.array, scale: float, mask: Any = None) -> mx.array | None:
-    """Each row's queries over its own ``(key, value)`` slots, in one op of the fused CPU
-    kernel (``ops.native``): no padded layout, no mask array, no blocks (the kernel makes
-    no float copy of a store). None unless the kernel reads every row's slots."""
-    if not native.usable(queries.dtype) or native.chunk_mask(mask, queries.shape[2]) is None:
-        return None  # GPU backends, float16, mask arrays: MLX's ops
-    parts = [tuple(slot_parts(s) for s in kv) for kv in slots]
-    out = native.attend_rows(queries, scale, parts, mask)
-    if out is not None:
-        for r in rows:
-            r.commit()
-    return out
+def _padded(rows: list[Any], slots: list[tuple[list[Slot], list[Slot]]], qr: mx.array,
+            scale: float) -> mx.array | None:
+    """The rows' slots padded side by side, one call on MLX's ops (``ops.batch_parts``);
+    None when they cannot lie side by side."""
+    qh = heads_major(qr, rows[0].layer.n_kv_heads)
+    batched = batch_slots(slots, after=qh)
+    if batched is None:
+        return None
+    out = attend_on_mlx(qh, _parts(batched.keys, qh), _parts(batched.values, qh), scale,
+                        batched.mask, batched.value_index)
+    return rows_major(out, len(rows))
 
 
 def _parts(slots: list[Slot], queries: mx.array, blocked: bool = False) -> list[Any]:

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, window_dtype
 from veloxquant_mlx.cache.numerics import StoredNumerics, Stream, cast, code_flips
+from veloxquant_mlx.cache.profile import Profile
 from veloxquant_mlx.cache.segments import (
     CodebookCodes,
     Dense,
@@ -98,55 +99,101 @@ class TurboQuantOptions(MethodOptions):
         self.check_int("seed", minimum=0)
 
 
+def _stored_numerics(config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
+    """Sinks and the window as received; every other token, at the next update, as
+    its codes of the rotated vector rotated back. Exact but for code flips (the
+    cache attends in the rotated basis; measured: at most 0.56 of a step with 4-bit
+    codebook codes, 0.1 with 8-bit affine codes)."""
+    o = config.layer_options(layer.layer_idx)
+
+    held = cast(config.window_dtype) or (lambda x: x)
+
+    def stream(bits: float, d: int) -> Stream:
+        def rotated(fn: Any) -> Any:
+            # ``fn`` on the rotated vectors, rotated back (the rotation is shared).
+            def through(x: mx.array) -> mx.array:
+                rot = shared_rotation(d, o.seed) if o.rotate else None
+                x = x.astype(mx.float32)
+                return fn(x) if rot is None else fn(x @ rot) @ rot.T
+            return through
+
+        def code(x: mx.array) -> mx.array:
+            if o.quantizer == "codebook":
+                return cb.decode(cb.encode(x, bits, "bytes"))
+            if o.quantizer == "float":
+                return fp.decode(fp.encode(x, FLOAT_MODES[int(bits)]))
+            return q.dequantize(q.quantize(x, int(bits), d))
+
+        return Stream(rotated(code), keep=o.window, block=o.block, commit="next",
+                      hold=rotated(held), sink=sinks_of(o, layer))
+
+    return StoredNumerics(stream(o.k_bits, layer.head_dim),
+                          stream(o.v_bits, layer.v_head_dim),
+                          bound=code_flips(min(o.k_bits, o.v_bits), 1.0))
+
+
+def _tune_grid(context: int) -> list[dict[str, Any]]:
+    # From about 4.5 to about 1.5 bits per value; a window of recent tokens in fp16
+    # costs (16 - bits) / context of a bit per value, so it shrinks with the budget.
+    widths = [(4, 4, 64), (4, 4, 32), (4, 3, 32), (3.5, 3, 16), (3, 3, 16),
+              (3, 2.5, 16), (2.5, 2.5, 16), (2.5, 2, 8), (2, 2, 8), (2, 1.5, 8),
+              (1.5, 1.5, 8)]
+    grid = [dict(k_bits=k, v_bits=v, window=w) for k, v, w in widths]
+    grid += [dict(quantizer="affine", k_bits=k, v_bits=v, window=32)
+             for k, v in ((8, 8), (4, 4), (4, 3), (3, 3), (3, 2), (2, 2))]
+    grid += [dict(quantizer="float", k_bits=k, v_bits=v, window=32)
+             for k, v in ((8, 8), (8, 4), (4, 4))]
+    return grid
+
+
+def _curve_tags(opts: Any) -> list[str]:
+    return [] if opts.quantizer == "codebook" else [f"quantizer={opts.quantizer}"]
+
+
+def _precision_ladders() -> dict[str, dict[str, Any]]:
+    halves, widths = (1, 1.5, 2, 2.5, 3, 3.5, 4), (2, 3, 4, 5, 6, 8)
+    streams = {"k_bits": ("keys",), "v_bits": ("values",)}
+    return {
+        "turboquant": {"base": {"window": 16},
+                       "knobs": {"k_bits": halves, "v_bits": halves}, "streams": streams},
+        # MLX affine codes of rotated vectors, up to 8 bits: the wider budgets.
+        "turboquant-affine": {"base": {"quantizer": "affine", "window": 32},
+                              "knobs": {"k_bits": widths, "v_bits": widths},
+                              "streams": streams},
+    }
+
+
+def _after_build(caches: list[CompressedCache], config: KVCacheConfig, model: Any) -> None:
+    # The rotations are shared by every layer: the first layer declares them.
+    for i, c in enumerate(caches):
+        getattr(c, "inner", c).owns_rotation = i == 0  # a ring holds the cache inside
+
+
 @register
 class TurboQuantCache(StoredFormCache):
     """Rotated K/V codes + float16 sinks and recent window."""
 
     method = "turboquant"
-    family = "quantization (rotated)"
-    paper = "TurboQuant, Zandieh et al., 2025 (arXiv 2504.19874)"
-    stores = "rotated K/V: codebook or affine codes + norm scales, fp16 sinks and window"
     Options = TurboQuantOptions
-    recommended = True  # near-lossless at 0.29 of fp16 (BENCHMARKS.md)
+    profile = Profile(
+        family="quantization (rotated)",
+        paper="TurboQuant, Zandieh et al., 2025 (arXiv 2504.19874)",
+        stores="rotated K/V: codebook or affine codes + norm scales, fp16 sinks and window",
+        recommended=True,  # near-lossless at 0.29 of fp16 (BENCHMARKS.md)
+        # Codes are per token: a sliding-window ring drops its oldest sinks and codes
+        # (never the float16 window, whose commit timing is part of the numerics).
+        drops_front=True,
+        stored_numerics=_stored_numerics,
+        after_build=_after_build,
+        tune_grid=_tune_grid,
+        curve_tags=_curve_tags,
+        ladders=_precision_ladders(),
+        small=dict(window=8),
+        lossless=dict(quantizer="affine", k_bits=8, v_bits=8),
+    )
     attends = True
     attend_dtype = mx.float32
     meta_fields = ("offset", "batch_size")
-    # Codes are per token: a sliding-window ring drops its oldest sinks and codes (never
-    # the float16 window, whose commit timing is part of the numerics: ``drop_oldest``).
-    drops_front = True
-
-    @classmethod
-    def stored_numerics(cls, config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
-        """Sinks and the window as received; every other token, at the next update, as
-        its codes of the rotated vector rotated back. Exact but for code flips (the
-        cache attends in the rotated basis; measured: at most 0.56 of a step with 4-bit
-        codebook codes, 0.1 with 8-bit affine codes)."""
-        o = config.layer_options(layer.layer_idx)
-
-        held = cast(config.window_dtype) or (lambda x: x)
-
-        def stream(bits: float, d: int) -> Stream:
-            def rotated(fn: Any) -> Any:
-                # ``fn`` on the rotated vectors, rotated back (the rotation is shared).
-                def through(x: mx.array) -> mx.array:
-                    rot = shared_rotation(d, o.seed) if o.rotate else None
-                    x = x.astype(mx.float32)
-                    return fn(x) if rot is None else fn(x @ rot) @ rot.T
-                return through
-
-            def code(x: mx.array) -> mx.array:
-                if o.quantizer == "codebook":
-                    return cb.decode(cb.encode(x, bits, "bytes"))
-                if o.quantizer == "float":
-                    return fp.decode(fp.encode(x, FLOAT_MODES[int(bits)]))
-                return q.dequantize(q.quantize(x, int(bits), d))
-
-            return Stream(rotated(code), keep=o.window, block=o.block, commit="next",
-                          hold=rotated(held), sink=sinks_of(o, layer))
-
-        return StoredNumerics(stream(o.k_bits, layer.head_dim),
-                              stream(o.v_bits, layer.v_head_dim),
-                              bound=code_flips(min(o.k_bits, o.v_bits), 1.0))
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -187,53 +234,6 @@ class TurboQuantCache(StoredFormCache):
         # One group per rotated vector; float32 in, so the scales are float32.
         return TokenCodes(int(bits), d, d, dtype=mx.float32)
 
-    @classmethod
-    def tune_grid(cls, context: int) -> list[dict[str, Any]]:
-        # From about 4.5 to about 1.5 bits per value; a window of recent tokens in fp16
-        # costs (16 - bits) / context of a bit per value, so it shrinks with the budget.
-        widths = [(4, 4, 64), (4, 4, 32), (4, 3, 32), (3.5, 3, 16), (3, 3, 16),
-                  (3, 2.5, 16), (2.5, 2.5, 16), (2.5, 2, 8), (2, 2, 8), (2, 1.5, 8),
-                  (1.5, 1.5, 8)]
-        grid = [dict(k_bits=k, v_bits=v, window=w) for k, v, w in widths]
-        grid += [dict(quantizer="affine", k_bits=k, v_bits=v, window=32)
-                 for k, v in ((8, 8), (4, 4), (4, 3), (3, 3), (3, 2), (2, 2))]
-        grid += [dict(quantizer="float", k_bits=k, v_bits=v, window=32)
-                 for k, v in ((8, 8), (8, 4), (4, 4))]
-        return grid
-
-    @classmethod
-    def curve_tags(cls, opts: Any) -> list[str]:
-        return [] if opts.quantizer == "codebook" else [f"quantizer={opts.quantizer}"]
-
-    @classmethod
-    def precision_ladders(cls) -> dict[str, dict[str, Any]]:
-        halves, widths = (1, 1.5, 2, 2.5, 3, 3.5, 4), (2, 3, 4, 5, 6, 8)
-        streams = {"k_bits": ("keys",), "v_bits": ("values",)}
-        return {
-            cls.method: {"base": {"window": 16}, "knobs": {"k_bits": halves,
-                                                            "v_bits": halves},
-                         "streams": streams},
-            # MLX affine codes of rotated vectors, up to 8 bits: the wider budgets.
-            f"{cls.method}-affine": {"base": {"quantizer": "affine", "window": 32},
-                                     "knobs": {"k_bits": widths, "v_bits": widths},
-                                     "streams": streams},
-        }
-
-    @classmethod
-    def small_options(cls) -> dict[str, Any]:
-        return dict(window=8)
-
-    @classmethod
-    def lossless_options(cls) -> dict[str, Any]:
-        return dict(quantizer="affine", k_bits=8, v_bits=8)
-
-    @classmethod
-    def after_build(cls, caches: list[CompressedCache], config: KVCacheConfig,
-                    model: Any) -> None:
-        # The rotations are shared by every layer: the first layer declares them.
-        for i, c in enumerate(caches):
-            getattr(c, "inner", c).owns_rotation = i == 0  # a ring holds the cache inside
-
     def shared_arrays(self) -> list[mx.array]:
         if not self.owns_rotation:
             return []
@@ -242,7 +242,7 @@ class TurboQuantCache(StoredFormCache):
     # ---- storage ----
     def incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The chunk rotated and in the window dtype, as the sinks and window hold it."""
-        wdt = self.window_dtype(mx.float32)
+        wdt = window_dtype(self.config, mx.float32)
         x32 = [x.astype(mx.float32) for x in (keys, values)]
         k, v = ((x if r is None else x @ r).astype(wdt) for x, r in zip(x32, self.basis))
         return k, v
@@ -252,7 +252,7 @@ class TurboQuantCache(StoredFormCache):
                          ) -> tuple[mx.array, mx.array]:
         n_sink = max(0, min(sinks_of(self.opts, self.layer) - self.offset, keys.shape[2]))
         self.begin(keys, values)  # a step that did not attend leaves its tokens uncoded
-        wdt = self.window_dtype(mx.float32)
+        wdt = window_dtype(self.config, mx.float32)
         for sink, win, x in zip(self.sinks, self.window,
                                 incoming or self.incoming(keys, values)):
             if n_sink:  # owned copies: a kept slice would pin the whole chunk

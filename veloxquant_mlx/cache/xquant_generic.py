@@ -51,7 +51,7 @@ class GenericXPath:
         self.checked = False  # the norm tap checked against the module's input
         self.extra: list[str] = []  # arguments with arrays besides input, mask, cache
 
-    def held_arrays(self) -> list[mx.array]:
+    def kept_arrays(self) -> list[mx.array]:
         return []
 
     @property

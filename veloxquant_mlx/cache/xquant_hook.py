@@ -29,8 +29,8 @@ from veloxquant_mlx.cache.base import LayerInfo, depend_on_state
 from veloxquant_mlx.cache.module_call import below, hook_module, original_class, unhook_module
 from veloxquant_mlx.cache.xquant_generic import X_HOOK, GenericXPath, x_generic_call
 from veloxquant_mlx.errors import Refusal, UnsupportedModelError
+from veloxquant_mlx.ops import dispatch, native, rope
 from veloxquant_mlx.ops import factors as fr
-from veloxquant_mlx.ops import native, rope
 from veloxquant_mlx.ops.attention import masked_softmax, sdpa
 from veloxquant_mlx.ops.parts import DensePart, shared_by_heads
 
@@ -100,7 +100,7 @@ class XProjection:
         mx.eval(*held)
         self._held = held
 
-    def held_arrays(self) -> list[mx.array]:
+    def kept_arrays(self) -> list[mx.array]:
         """Arrays this projection keeps alive beyond the model's own weights."""
         return list(self._held)
 
@@ -264,21 +264,21 @@ class XProjection:
 
     def _fused(self, queries: mx.array, segments: list[tuple[int, list[Any]]], scale: float,
                mask: Any) -> mx.array | None:
-        """The attention in one fused CPU op (``ops.native``): each segment's keys
+        """The attention in one fused CPU op (asked of ``ops.dispatch``): each segment's keys
         (:meth:`_key_part`), the stored value form as parts shared by the KV heads (codes
         read as codes) that carry ``R_v`` and ``b_v`` per head (the op adds ``(p Z_v)
         R_v + b_v``); None where it does not run (then MLX's ops)."""
         B, Hq, L, D = queries.shape
         H = self.n_kv_heads
         rows = [shared_by_heads(parts[-1], H) for _, parts in segments]
-        causal = native.causal_for(queries, mask, H, sum(v.n for v in rows))
+        causal = dispatch.fused_causal(queries, mask, H, sum(v.n for v in rows))
         if causal is None or not self.factored_pays(Hq * L):
             return None
         key_parts = [self._key_part(start, parts, B) for start, parts in segments]
         factor, bias = self._per_head(self._value_factor(), self.bv, B)
         values = [native.Placed(v, project=factor, mean=bias) for v in rows]
         q = (queries * scale).reshape(B, H, Hq // H * L, D)
-        out = native.decode(q, key_parts, values, causal)
+        out = dispatch.fused_decode(q, key_parts, values, causal)
         return None if out is None else out.reshape(B, Hq, L, -1).astype(queries.dtype)
 
 
@@ -411,7 +411,7 @@ def _warn_latent(projs: dict[int, Any], latent: bool) -> None:
         names = ", ".join(sorted(f"{c.__module__}.{c.__name__}" for c in new))
         warnings.warn(f"xquant: layers {sorted(generic)} ({names}) store their input X "
                       "itself: the latent storage needs llama, mistral or qwen2 attention",
-                      stacklevel=4)
+                      stacklevel=6)  # past the builder: the caller of for_model
 
 
 def install_x_hook(layers: list[LayerInfo], latent: bool = True,

@@ -69,7 +69,7 @@ from veloxquant_mlx.adapter.retained import (
     measure_retained,
     measure_user_path,
 )
-from veloxquant_mlx.cache.base import CompressedCache
+from veloxquant_mlx.cache.stored import StoredFormCache
 from veloxquant_mlx.eval.perplexity import Method, Spec, check_model_context, resolve_methods
 from veloxquant_mlx.memory import active_bytes, transient_peak
 from veloxquant_mlx.ops.attention import sdpa, split_attention
@@ -323,7 +323,7 @@ def fill_caches(model: nn.Module, source: CacheSource, context: int,
     depend on the values), filled in chunks, each chunk attended by one query as a step
     would, so that methods which code after attention have coded it."""
     caches = build_caches(model, source)
-    hooked = [c.method for c in caches if getattr(c, "hooks_module", False)]
+    hooked = [c.method for c in caches if getattr(getattr(c, "profile", None), "hooks_module", False)]
     if hooked:
         raise ValueError(
             f"bench --profile: method {hooked[0]!r} caches the layers' input, not keys and "
@@ -354,7 +354,7 @@ def _layer_attention(c: Any, q: mx.array) -> mx.array:
 def _layer_codes(c: Any) -> list[mx.array]:
     """One layer's codes as the floats its decode attention multiplies (nothing for dense
     parts)."""
-    if not isinstance(c, CompressedCache):  # mlx_lm's own caches
+    if not isinstance(c, StoredFormCache):  # mlx_lm's own caches, forms without parts
         return []
     keys, values = c.attention_slots()
     return [f for p in slot_parts(keys) + slot_parts(values) for f in p.floats()]

@@ -13,6 +13,18 @@ deadline.
 
     python -m veloxquant_mlx.eval.chatbench --method kivi:bits=4 --method none \\
         --conversations 8 --turns 4 --plot chat.png
+
+``--overflow R``: conversations outliving RAM and a restart. ``N`` conversations, each
+opening with its own long document, take their turns round robin (every conversation's
+turn ``t`` before any turn ``t + 1``), so with room for ``R`` kept caches every next turn
+finds its conversation evicted. Three runs of one method: the disk tier
+(``--prompt-cache-dir``, the server restarted before turn ``--restart-at``), the same
+without it (evicted and restarted conversations are prefilled again) and warm RAM reuse
+(room for all, no restart). Per turn: latency p50 / p95, the share of prompt tokens
+served from a cache, and whether each answer equals the warm run's (nothing lost or
+mixed between conversations: a restored cache is the kept one)::
+
+    python -m veloxquant_mlx.eval.chatbench --overflow 8 --conversations 40 --turns 4
 """
 
 from __future__ import annotations
@@ -28,7 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from veloxquant_mlx.config import KVCacheConfig
-from veloxquant_mlx.eval.loadtest import ENGLISH, ServerProcess, get_json, percentile, words
+from veloxquant_mlx.eval.loadtest import (
+    ENGLISH,
+    ServerProcess,
+    get_json,
+    percentile,
+    post_json,
+    words,
+)
 from veloxquant_mlx.eval.serverbench import MlxLmServer, model_folder
 
 REFERENCE = "mlx_lm.server"
@@ -295,6 +314,147 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+@dataclass
+class OverflowConfig:
+    conversations: int = 40
+    turns: int = 4
+    ram_entries: int = 8
+    restart_at: int = 2  # the server restarts before this turn (0-based)
+    document_words: int = 300
+    user_words: int = 20
+    max_tokens: int = 16
+    timeout: float = 600.0
+    extra: list[str] = field(default_factory=list)
+    model: str | None = None  # an mlx_lm folder; None: the embedded model
+    vocab: Sequence[str] = tuple(ENGLISH)
+
+
+@dataclass
+class OverflowMode:
+    label: str
+    entries: int  # --prompt-cache-size
+    disk: bool
+    restart: bool
+
+
+def overflow_modes(cfg: OverflowConfig) -> list[OverflowMode]:
+    """Warm RAM reuse (the reference), the disk tier, and neither."""
+    return [OverflowMode("warm RAM", 2 * cfg.conversations + 2, False, False),
+            OverflowMode("disk tier", cfg.ram_entries, True, True),
+            OverflowMode("no disk", cfg.ram_entries, False, True)]
+
+
+def _opening(i: int, cfg: OverflowConfig) -> list[dict[str, str]]:
+    document = words(cfg.document_words, cfg.vocab, seed=7 * i + 3)
+    return [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": f"Conversation {i}. Read this: {document}"}]
+
+
+def _ask(port: int, messages: list[dict[str, str]], cfg: OverflowConfig) -> dict[str, Any]:
+    body = {"messages": messages, "max_tokens": cfg.max_tokens, "temperature": 0.0}
+    t0 = time.perf_counter()
+    try:
+        status, reply = post_json(port, body, cfg.timeout)
+    except (OSError, ValueError) as e:
+        status, reply = 0, {"error": f"{type(e).__name__}: {e}"}
+    row: dict[str, Any] = {"latency_s": time.perf_counter() - t0, "ok": status == 200}
+    if status == 200:
+        usage = reply.get("usage") or {}
+        row.update(answer=reply["choices"][0]["message"]["content"],
+                   prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                   cached_tokens=int((usage.get("prompt_tokens_details") or {})
+                                     .get("cached_tokens", 0)))
+    else:
+        row.update(answer=None, prompt_tokens=0, cached_tokens=0,
+                   error=f"HTTP {status}: {json.dumps(reply)[:200]}")
+    return row
+
+
+def run_overflow(mode: OverflowMode, cfg: OverflowConfig, method: str, max_kv_memory: str,
+                 folder: Path, log_dir: Path | None = None) -> dict[str, Any]:
+    """One mode's turns (round robin), restarting the server where the mode says."""
+    model = cfg.model or model_folder()
+    extra = ["--prompt-cache-size", str(mode.entries), *cfg.extra]
+    if mode.disk:
+        extra += ["--prompt-cache-dir", str(folder)]
+    histories = [_opening(i, cfg) for i in range(cfg.conversations)]
+    rows: list[dict[str, Any]] = []
+    counters: list[dict[str, Any]] = []
+    starts = sorted({0, cfg.restart_at} if mode.restart else {0})
+    for n, first in enumerate(starts):
+        last = starts[n + 1] if n + 1 < len(starts) else cfg.turns
+        log = log_dir and log_dir / f"overflow-{mode.label.replace(' ', '_')}-{n}.log"
+        with ServerProcess(method, max_kv_memory, model=model, extra=extra,
+                           log_path=log) as server:
+            for t in range(first, last):
+                for i, history in enumerate(histories):
+                    if t > 0:
+                        history.append({"role": "user", "content": words(
+                            cfg.user_words, cfg.vocab, seed=1000 * i + t)})
+                    row = _ask(server.port, history, cfg)
+                    rows.append({"conversation": i, "turn": t, **row})
+                    history.append({"role": "assistant", "content": row["answer"] or ""})
+            counters.append(_kept(server).get("counters", {}))
+    return {"mode": mode.label, "turns": rows, "counters": counters}
+
+
+def overflow_bench(cfg: OverflowConfig, method: str, max_kv_memory: str,
+                   log_dir: Path | None = None,
+                   modes: Sequence[OverflowMode] | None = None) -> list[dict[str, Any]]:
+    """``run_overflow`` for each mode (warm RAM first: the reference), the disk tier's
+    files in a fresh folder."""
+    import tempfile
+
+    runs = []
+    for mode in modes or overflow_modes(cfg):
+        with tempfile.TemporaryDirectory(prefix="chatbench-disk-") as folder:
+            runs.append(run_overflow(mode, cfg, method, max_kv_memory, Path(folder), log_dir))
+    return runs
+
+
+def overflow_markdown(runs: Sequence[dict[str, Any]], cfg: OverflowConfig) -> str:
+    ref = {(r["conversation"], r["turn"]): r for r in runs[0]["turns"]}
+    warm = {t: percentile([r["latency_s"] for r in runs[0]["turns"]
+                           if r["turn"] == t and r["ok"]], 0.5) for t in range(cfg.turns)}
+    out = ["| run | turn | latency p50 s | latency p95 s | vs warm RAM (p50) | prompt "
+           "tokens from a cache | answers equal to warm RAM's | failed |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        for t in range(cfg.turns):
+            rows = [r for r in run["turns"] if r["turn"] == t]
+            ok = [r for r in rows if r["ok"]]
+            lat = [r["latency_s"] for r in ok]
+            p50 = percentile(lat, 0.5)
+            share = sum(r["cached_tokens"] for r in ok) / max(sum(r["prompt_tokens"]
+                                                                 for r in ok), 1)
+            same = sum(r["answer"] == ref.get((r["conversation"], t), {}).get("answer")
+                       for r in ok)
+            ratio = p50 / warm[t] if p50 and warm[t] else None
+            mark = " (restarted)" if t == cfg.restart_at and run["mode"] != "warm RAM" else ""
+            out.append(f"| {run['mode']} | {t + 1}{mark} | {_f(p50)} | "
+                       f"{_f(percentile(lat, 0.95))} | {_f(ratio)} | {share:.0%} | "
+                       f"{same} / {len(rows)} | {len(rows) - len(ok)} |")
+    return "\n".join(out)
+
+
+def _main_overflow(args: argparse.Namespace, log_dir: Path | None) -> int:
+    if not 1 <= args.overflow < args.conversations or not 0 < args.restart_at < args.turns:
+        raise SystemExit(f"--overflow={args.overflow} --restart-at={args.restart_at}: "
+                         "--overflow between 1 and --conversations - 1, --restart-at "
+                         "between 1 and --turns - 1")
+    cfg = OverflowConfig(args.conversations, args.turns, args.overflow, args.restart_at,
+                         args.document_words, args.user_words, args.max_tokens,
+                         extra=args.serve_arg)
+    runs = overflow_bench(cfg, (args.method or ["kivi:bits=4"])[0], args.max_kv_memory,
+                          log_dir)
+    print(overflow_markdown(runs, cfg))
+    for run in runs:
+        print(f"{run['mode']}: server counters {run['counters']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1, default=str))
+    return 0 if all(r["ok"] for run in runs for r in run["turns"]) else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m veloxquant_mlx.eval.chatbench",
                                 description=__doc__.split("\n\n")[0])
@@ -313,6 +473,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="instead: N conversations of --warm-tokens each, sent one after "
                    "the other, then again; how many each method keeps warm")
     p.add_argument("--warm-tokens", type=int, default=4096)
+    p.add_argument("--overflow", type=int, default=None, metavar="R",
+                   help="instead: conversations overflowing R kept caches in RAM and a "
+                   "restart; the disk tier against re-prefill and warm RAM reuse")
+    p.add_argument("--restart-at", type=int, default=2, help="--overflow: the turn "
+                   "(0-based) before which the server restarts")
+    p.add_argument("--document-words", type=int, default=300,
+                   help="--overflow: words of each conversation's opening document")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--log-dir", default=None)
@@ -332,6 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
     if args.warm is not None:
         return _main_warm(args, log_dir)
+    if args.overflow is not None:
+        return _main_overflow(args, log_dir)
     rows = bench(args.method or ["kivi:bits=4"], cfg, args.max_kv_memory, log_dir)
     print(markdown(rows))
     if args.json:

@@ -63,7 +63,7 @@ def ladders() -> dict[str, Ladder]:
     tune`` calibrates each whose method it considers)."""
     out: dict[str, Ladder] = {}
     for name, cls in methods().items():
-        for label, spec in cls.precision_ladders().items():
+        for label, spec in cls.profile.ladders.items():
             if label in out:
                 raise ValueError(f"precision ladder {label!r} of method {name!r} is also "
                                  f"one of method {out[label].method!r}")

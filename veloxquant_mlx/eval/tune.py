@@ -119,7 +119,7 @@ def candidate_configs(context: int, only: Sequence[str] = ()) -> list[KVCacheCon
     for name, cls in methods().items():
         if only and name not in only:
             continue
-        out.extend(KVCacheConfig(name, **opts) for opts in cls.tune_grid(context))
+        out.extend(KVCacheConfig(name, **opts) for opts in cls.profile.tune_grid(context))
     if not out:
         raise ValueError(f"tune: no method among {list(only) or sorted(methods())} has "
                          "a tune_grid of candidate settings")
@@ -130,7 +130,7 @@ def family(config: KVCacheConfig) -> str:
     """The method with what changes its bytes-to-quality curve: its ``curve_tags`` (a
     quantized store, another quantizer), rotation, per-layer widths (candidates are
     shortlisted per family)."""
-    tags = [config.method, *get_method(config.method).curve_tags(config.options)]
+    tags = [config.method, *get_method(config.method).profile.curve_tags(config.options)]
     if config.rotate:
         tags.append("rotate")
     if config.layers:
@@ -472,8 +472,8 @@ def _screen_top1(entries: list[dict[str, Any]]) -> float:
 def _groups(configs: list[KVCacheConfig]) -> list[list[KVCacheConfig]]:
     """Finalists measured together: at most one method that hooks the model's modules
     per group (each installs its own state on them)."""
-    hooked = [[c] for c in configs if get_method(c.method).hooks_module]
-    plain = [c for c in configs if not get_method(c.method).hooks_module]
+    hooked = [[c] for c in configs if get_method(c.method).profile.hooks_module]
+    plain = [c for c in configs if not get_method(c.method).profile.hooks_module]
     if not hooked:
         return [plain] if plain else []
     hooked[0] = plain + hooked[0]

@@ -124,7 +124,7 @@ def _prefill(model: nn.Module, caches: list[Any], tokens: list[int], chunk: int,
 def replayable(rec: Recording, caches: list[Any]) -> bool:
     """Whether every cache gets what it needs from the recording."""
     return rec.calls is not None and len(caches) == rec.n_slots == len(rec.slots) and \
-        not any(getattr(c, "hooks_module", False) for c in caches)
+        not any(getattr(getattr(c, "profile", None), "hooks_module", False) for c in caches)
 
 
 def replay(rec: Recording, caches: list[Any], slots: Sequence[int] | None = None,
@@ -163,7 +163,7 @@ def representatives(rec: Recording, caches: list[Any]) -> dict[int, int] | None:
     the cache class, its layer's options, the shapes it receives and whether it holds
     the model's one rotation); ``None`` when a cache shares state across layers
     (``cross_layer``), whose layers must all be replayed."""
-    if any(getattr(type(c), "cross_layer", False) for c in caches):
+    if any(getattr(getattr(c, "profile", None), "cross_layer", False) for c in caches):
         return None
     kinds: dict[tuple[Any, ...], list[int]] = {}
     for s in rec.slots:

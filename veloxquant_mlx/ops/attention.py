@@ -2,7 +2,9 @@
 
 A cache hands what it holds to :func:`attend_parts` as *parts* laid one after the other
 along the token axis (keys and values may be cut at different places, as in KIVI); the
-part types and the ``Slot`` form caches hand over are in ``ops.parts``.
+part types and the ``Slot`` form caches hand over are in ``ops.parts``. Which engine runs
+a call (the fused CPU op, these MLX paths or ``mx.fast``) is decided by ``ops.dispatch``;
+:func:`attend_on_mlx` is this module's engine without asking.
 
 Two paths, neither builds a dequantized copy of the cache or a full score matrix:
 
@@ -33,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from veloxquant_mlx.ops import native
+from veloxquant_mlx.ops import dispatch
 from veloxquant_mlx.ops.kernels import on_gpu
 from veloxquant_mlx.ops.parts import DensePart, Part, as_part
 
@@ -43,10 +45,7 @@ BLOCK_FLOATS = 1 << 19  # score floats per block of the prefill path (2 MB)
 _LOG2E = 1.4426950408889634
 # 2^f on [0, 1): minimax polynomial, highest degree first.
 _EXP2 = (1.8775767e-3, 8.9893397e-3, 5.5826318e-2, 2.4015361e-1, 6.9315308e-1, 9.9999994e-1)
-# A decode over at most this many dense keys stays on mx.fast's kernel on the CPU, faster
-# there (this module's ran at 0.74-0.94 of its speed at 700-1024 keys); mx.fast is 1.2-2x
-# slower from 1.5k keys and 1.5-1.9x for prompt chunks (``eval.dense_attention``).
-FAST_DECODE_KEYS = 1024
+FAST_DECODE_KEYS = dispatch.FAST_DECODE_KEYS  # where sdpa leaves mx.fast (ops.dispatch)
 _FLOOR = -1e30  # a row max below this is a fully masked row: its output is 0, not NaN
 _TINY = 1e-30
 
@@ -153,8 +152,13 @@ def own_kernels(dtype: mx.Dtype) -> bool:
 
 
 def sdpa_on_own_kernels(dtype: mx.Dtype, n_queries: int, n_keys: int) -> bool:
-    """Whether :func:`sdpa` runs this module's kernels for these shapes (else mx.fast)."""
-    return own_kernels(dtype) and (n_queries > 1 or n_keys > FAST_DECODE_KEYS)
+    """Whether :func:`sdpa` runs this module's kernels for these shapes (else mx.fast):
+    the dispatcher's table for one sequence of dense arrays."""
+    s = dispatch.Situation(
+        backend="gpu" if on_gpu() else "cpu", dtype="float32" if dtype == mx.float32 else "other",
+        extension="off", mask="unmasked", queries="step" if n_queries == 1 else "chunk", rows="one",
+        parts="arrays", store="short" if n_keys <= FAST_DECODE_KEYS else "long")
+    return dispatch.decide(s) == dispatch.PARTS
 
 
 def masked_softmax(scores: mx.array, mask: Any = None) -> mx.array:
@@ -189,18 +193,20 @@ def _row_exp(scores: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-         mask: Any = None) -> mx.array:
-    """Grouped-query attention over dense keys/values (cast to the query dtype):
-    :func:`attend_parts` on a CPU in float32 for prompt chunks and decodes over more than
-    ``FAST_DECODE_KEYS`` keys, ``mx.fast.scaled_dot_product_attention`` otherwise."""
+         mask: Any = None, label: str = "") -> mx.array:
+    """Grouped-query attention over dense keys/values (cast to the query dtype), on the
+    engine ``ops.dispatch`` picks: this module's kernels (:func:`attend_on_mlx`) or
+    ``mx.fast.scaled_dot_product_attention``."""
     if keys.dtype != queries.dtype:
         keys = keys.astype(queries.dtype)
     if values.dtype != queries.dtype:
         values = values.astype(queries.dtype)
     L, S = queries.shape[2], keys.shape[2]
     mask = fit_mask(mask, L, S)
-    if sdpa_on_own_kernels(queries.dtype, L, S):
-        return attend_parts(queries, [DensePart(keys)], [DensePart(values)], scale, mask)
+    engine = dispatch.route(queries, "arrays", mask, keys.shape[1], S, label=label or "sdpa",
+                            gpu=on_gpu())
+    if engine == dispatch.PARTS:
+        return attend_on_mlx(queries, [DensePart(keys)], [DensePart(values)], scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
@@ -223,13 +229,30 @@ def decodes_at_once(n_query_heads: int, n_kv_heads: int, n_queries: int) -> bool
 
 def attend_parts(queries: mx.array, keys: Sequence[Part], values: Sequence[Part],
                  scale: float, mask: Any = None,
-                 value_index: mx.array | None = None) -> mx.array:
+                 value_index: mx.array | None = None, label: str = "") -> mx.array:
     """Attention of ``queries`` ``[B, Hq, L, D]`` over key parts and value parts that
     each cover the same tokens in order; ``mask`` as mlx_lm passes it. Returns
-    ``[B, Hq, L, Dv]``; a query row with every key masked gets zeros. ``value_index``
-    (broadcasting to ``[B, H, 1, S_v]``): value position -> key position (``S``: none),
-    for batches whose key and value layouts differ (``ops.batch_parts``); decode path
-    only."""
+    ``[B, Hq, L, Dv]``; a query row with every key masked gets zeros. The engine is the
+    one ``ops.dispatch`` picks: the fused CPU op or :func:`attend_on_mlx` (which takes
+    ``value_index``)."""
+    if value_index is None:
+        engine = dispatch.route(queries, dispatch.part_kind(keys, values), mask,
+                                keys[0].heads, sum(k.n for k in keys), label=label,
+                                gpu=on_gpu())
+        out = (dispatch.fused_rows(queries, scale, [(keys, values)], mask)
+               if engine == dispatch.FUSED else None)
+        if out is not None:
+            return out
+    return attend_on_mlx(queries, keys, values, scale, mask, value_index)
+
+
+def attend_on_mlx(queries: mx.array, keys: Sequence[Part], values: Sequence[Part],
+                  scale: float, mask: Any = None,
+                  value_index: mx.array | None = None) -> mx.array:
+    """:func:`attend_parts` on MLX's ops (the ``parts`` engine): each part multiplies as
+    it holds its codes (packed or float blocks). ``value_index`` (broadcasting to
+    ``[B, H, 1, S_v]``): value position -> key position (``S``: none), for batches whose
+    key and value layouts differ (``ops.batch_parts``); decode path only."""
     B, Hq, L, D = queries.shape
     H = keys[0].heads
     qr = (queries * scale).reshape(B, H, Hq // H, L, D)
@@ -257,10 +280,6 @@ def _decode(qr: mx.array, keys: Sequence[Part], values: Sequence[Part],
     B, H, rep, L, D = qr.shape
     rows = rep * L
     q = qr.reshape(B, H, rows, D)
-    if value_index is None and fit_mask(mask, L, sum(k.n for k in keys)) is None:
-        fused = native.decode(q, keys, values)  # one op on a CPU where it is built
-        if fused is not None:
-            return fused.reshape(B, H, rep, L, -1)
     s = [k.key_scores(q) for k in keys]
     s = s[0] if len(s) == 1 else mx.concatenate(s, axis=-1)  # [B, H, rows, S]
     S = s.shape[-1]

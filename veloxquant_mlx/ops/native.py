@@ -1,4 +1,4 @@
-"""The fused CPU decode attention (``csrc/parts.cpp``), when it is built.
+"""The fused CPU decode attention (``csrc/``), when it is built.
 
 On a CPU, the decode path of :func:`ops.attention.attend_parts` costs about a hundred
 MLX ops per layer over a compressed cache, each a few microseconds and a pass over
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from enum import IntEnum
 from typing import Any
 
 import mlx.core as mx
@@ -38,11 +39,60 @@ THREADED_KEYS = 2048
 CHUNK_ROWS = 256
 CHUNK_SCORES = 1 << 21
 
-KIND = {"dense": 0, "token": 1, "channel": 2}
-# per part: kind, bits, group, biases, table, query offset, output offset, extras, then its
-# projection's kind, bits, group, biases, table
-SPEC_INTS = 13
-SHIFT, MASS, ROTATE, PROJECT, PAIRS = 1, 2, 4, 8, 16  # extras
+
+class PartKind(IntEnum):
+    """The kinds of part the op reads, named as ``stored()`` names them (``ops.parts``). The
+    extension exports the same table (``_native.part_kinds``, ``csrc/parts.h``'s ``kKinds``):
+    a build that differs is refused at load, and tests/test_native.py checks the two."""
+
+    dense = 0
+    token = 1
+    channel = 2
+
+
+@dataclass(slots=True)
+class Form:
+    """A stored form as the op reads it (``csrc/parts.h``'s ``Form``): its kind, the codes'
+    bit width and group (0 for dense rows), whether biases and a table of levels follow its
+    codes and scales."""
+
+    kind: PartKind
+    bits: int = 0
+    group: int = 0
+    biases: bool = False
+    table: bool = False
+
+
+@dataclass(slots=True)
+class PartSpec:
+    """One part of a call as the op reads it (``csrc/parts.h``'s ``PartSpec``; the extension
+    refuses a missing field or one of the wrong type by its name). Its arrays follow one
+    another in the call's list in this order: the form's (dense rows; or codes, scales, then
+    biases and table where the form has them), the score shift ``[B, H, rows, 1]`` with
+    ``shift``, RoPE's inverse frequencies and first position with ``rotate`` (``pairs``: it
+    pairs neighbouring dims), then with ``projection`` that form's arrays and the mean.
+    ``qoff`` and ``ooff``: the query and output dims where the part sits (:class:`Placed`);
+    ``mass``: its probability mass goes to the output dim after its own."""
+
+    form: Form
+    qoff: int = 0
+    ooff: int = 0
+    shift: bool = False
+    mass: bool = False
+    rotate: bool = False
+    pairs: bool = False
+    projection: Form | None = None
+
+
+def described_by(ext: Any) -> dict[str, Any]:
+    """The part kinds and description fields of ``ext`` (the extension) or, given None,
+    of this module: the two must be equal."""
+    if ext is not None:
+        return {name: getattr(ext, name, None)
+                for name in ("part_kinds", "part_fields", "form_fields")}
+    return {"part_kinds": {k.name: k.value for k in PartKind},
+            "part_fields": tuple(f.name for f in fields(PartSpec)),
+            "form_fields": tuple(f.name for f in fields(Form))}
 
 
 @dataclass
@@ -90,13 +140,19 @@ def _load() -> tuple[Any, str]:
         return None, "not built (no C++ compiler or CMake at install, or the build " \
                      "failed; pip install -v shows why): install them, then reinstall " \
                      "from source (pip install -e . in a checkout)"
+    ours, theirs = described_by(None), described_by(ext)
+    differ = [name for name in ours if theirs[name] != ours[name]]
+    if differ:
+        return None, f"built from other sources (its {', '.join(differ)} differ from " \
+                     "ops/native.py's): reinstall from source to rebuild it (pip install " \
+                     "-e . in a checkout)"
     # An MLX built with another nanobind ABI would refuse mx.array arguments.
     try:
         one = mx.ones((1, 1, 1, 4))
         codes = mx.zeros((1, 1, 1, 1), dtype=mx.uint32)
-        mx.eval(ext.decode_attention(one, [codes, one[..., :1], one[..., :1], one], [
-            KIND["token"], 8, 4, 1, 0, 0, 0, 0, *[0] * 5,
-            KIND["dense"], 0, 0, 0, 0, 0, 0, 0, *[0] * 5], [1, 1], 1))
+        token = PartSpec(Form(PartKind.token, 8, 4, biases=True))
+        mx.eval(ext.decode_attention(one, [codes, one[..., :1], one[..., :1], one],
+                                     [token, PartSpec(Form(PartKind.dense))], [1, 1], 1))
     except (TypeError, ValueError, RuntimeError) as e:
         return None, f"built for another MLX ({e.__class__.__name__}): reinstall from " \
                      "source to rebuild it (pip install -e . in a checkout)"
@@ -117,42 +173,42 @@ def status() -> str:
         return f"MLX ops (the fused CPU kernel is {_why})"
     if not available():
         return f"MLX ops ({ENV}=0)"
-    return "fused CPU kernel (csrc/parts.cpp)"
+    return "fused CPU kernel (csrc/)"
 
 
-def _form(part: Any) -> tuple[list[int], list[mx.array]] | None:
-    """A part's stored form as the op's five spec ints (kind, bits, group, biases,
-    table) and its arrays; None where the op reads no such form."""
+def _form(part: Any) -> tuple[Form, list[mx.array]] | None:
+    """A part's stored form as the op reads it and its arrays; None where the op reads no
+    such form."""
     stored = getattr(part, "stored", None)
     form = stored() if stored is not None else None
     if form is None:
         return None
     kind, bits, group, arrs, biases, table = form
-    return ([KIND[kind], bits, group, int(biases is not None), int(table is not None)],
+    return (Form(PartKind[kind], int(bits), int(group), biases is not None, table is not None),
             [*arrs, *([biases] if biases is not None else []),
              *([table] if table is not None else [])])
 
 
-def _described(parts: Sequence[Any]) -> tuple[list[int], list[mx.array]] | None:
-    spec: list[int] = []
+def _described(parts: Sequence[Any]) -> tuple[list[PartSpec], list[mx.array]] | None:
+    specs: list[PartSpec] = []
     arrays: list[mx.array] = []
     for p in parts:
         form = _form(p)
         project = getattr(p, "project", None)
-        projection = _form(project) if project is not None else ([0] * 5, [])
+        projection = _form(project) if project is not None else (None, [])
         if form is None or projection is None:
             return None
-        (head, arrs), (tail, proj_arrs) = form, projection
+        (own, arrs), (proj, proj_arrs) = form, projection
         shift, rope = getattr(p, "shift", None), getattr(p, "rope", None)
-        extras = (SHIFT if shift is not None else 0) | (MASS if getattr(p, "mass", False) else 0)
-        if rope is not None:  # the frequencies give the dims; the extra says the pairing
-            extras |= ROTATE | (PAIRS if rope.traditional else 0)
-        extras |= PROJECT if project is not None else 0
-        spec += [*head, getattr(p, "qoff", 0), getattr(p, "ooff", 0), extras, *tail]
+        # The frequencies give the rotated dims; `pairs` says how they pair.
+        specs.append(PartSpec(own, int(getattr(p, "qoff", 0)), int(getattr(p, "ooff", 0)),
+                              shift is not None, bool(getattr(p, "mass", False)),
+                              rope is not None, rope is not None and bool(rope.traditional),
+                              proj))
         arrays += [*arrs, *([shift] if shift is not None else []),
                    *([rope.inv, rope.start] if rope is not None else []),
                    *([*proj_arrs, p.mean] if project is not None else [])]
-    return spec, arrays
+    return specs, arrays
 
 
 def rebuildable(*parts: Any) -> bool:
@@ -160,7 +216,8 @@ def rebuildable(*parts: Any) -> bool:
     dense, or token codes without a table in groups of a multiple of 16 dims (the op
     decodes a row 16 values at a time)."""
     forms = [_form(p) for p in parts]
-    return all(f is not None and (f[0][0] == KIND["dense"] or (not f[0][4] and f[0][2] % 16 == 0))
+    return all(f is not None and (f[0].kind == PartKind.dense or
+                                  (not f[0].table and f[0].group % 16 == 0))
                for f in forms)
 
 
@@ -205,8 +262,8 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
 
 
 def _plan(keys: Sequence[Any], values: Sequence[Any]
-          ) -> tuple[list[int], list[mx.array], list[int]] | None:
-    """Spec, arrays and part counts of one sequence's parts; None where the kernel reads
+          ) -> tuple[list[PartSpec], list[mx.array], list[int]] | None:
+    """Part descriptions, arrays and part counts of one sequence's parts; None where the kernel reads
     a part's form no more."""
     k, v = _described(keys), _described(values)
     if k is None or v is None:
@@ -214,15 +271,15 @@ def _plan(keys: Sequence[Any], values: Sequence[Any]
     return k[0] + v[0], k[1] + v[1], [len(keys), len(values)]
 
 
-def _run(q: mx.array, plans: list[tuple[list[int], list[mx.array], list[int]]],
+def _run(q: mx.array, plans: list[tuple[list[PartSpec], list[mx.array], list[int]]],
          n_keys: int, causal: int = 0) -> mx.array:
-    spec = [i for p in plans for i in p[0]]
+    specs = [s for p in plans for s in p[0]]
     arrays = [a for p in plans for a in p[1]]
     counts = [c for p in plans for c in p[2]]
     # A decode step's few rows per head count as one; a chunk's rows each score every key.
     work = n_keys * (q.shape[2] if causal else 1)
     long = q.shape[0] * q.shape[1] > 1 and work >= THREADED_KEYS
-    return _native.decode_attention(q, arrays, spec, counts, THREADS if long else 1, causal)
+    return _native.decode_attention(q, arrays, specs, counts, THREADS if long else 1, causal)
 
 
 def decode(q: mx.array, keys: Sequence[Any], values: Sequence[Any], causal: int = 0
@@ -234,7 +291,7 @@ def decode(q: mx.array, keys: Sequence[Any], values: Sequence[Any], causal: int 
     last keys, each seeing the keys up to its own."""
     plan = _plan(keys, values) if usable(q.dtype) else None
     # Over dense parts only, MLX's matmuls (BLAS) are faster.
-    if plan is None or all(kind == KIND["dense"] for kind in plan[0][::SPEC_INTS]):
+    if plan is None or all(s.form.kind == PartKind.dense for s in plan[0]):
         return None
     return _run(q, [plan], sum(p.n for p in keys), causal)
 

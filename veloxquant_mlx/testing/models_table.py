@@ -347,7 +347,7 @@ def run_cell(model_type: str, method: str, options: dict[str, Any],
 # Options the table adds to a method's lossless settings: the catalog's tiny models
 # have one or two layers (each method's ``few_layer_options``).
 MATRIX_EXTRA: dict[str, dict[str, Any]] = {
-    name: cls.few_layer_options() for name, cls in methods().items() if cls.few_layer_options()}
+    name: cls.profile.few_layer for name, cls in methods().items() if cls.profile.few_layer}
 
 # Refusal reasons, most specific first: (pattern in the message, short label).
 REASONS: list[tuple[str, str]] = [

@@ -19,9 +19,8 @@ shows up at once, in the block where it happens.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,29 +28,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from veloxquant_mlx.adapter.mlx_lm import model_layers
-from veloxquant_mlx.ops import kernels, native
+from veloxquant_mlx.ops import dispatch
 
-# Each path as the environment that selects it.
-PATHS: dict[str, dict[str, str]] = {
-    "fused": {native.ENV: "1", kernels.ENV: "floats"},
-    "packed": {native.ENV: "0", kernels.ENV: "packed"},
-    "floats": {native.ENV: "0", kernels.ENV: "floats"},
-}
+# Each path as the environment that selects it (``ops.dispatch.FORCING``).
+PATHS: dict[str, dict[str, str]] = dispatch.FORCING
 
 
-@contextmanager
-def on_path(name: str) -> Iterator[None]:
+def on_path(name: str) -> AbstractContextManager[None]:
     """Run the body on path ``name`` (its environment set, then restored)."""
-    saved = {k: os.environ.get(k) for k in PATHS[name]}
-    os.environ.update(PATHS[name])
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return dispatch.forcing(name)
 
 
 @dataclass

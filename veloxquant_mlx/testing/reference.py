@@ -33,7 +33,7 @@ DEFAULT = StoredNumerics()
 def numerics_of(cache: CompressedCache) -> StoredNumerics:
     """The declaration of ``cache``'s method for its layer (``DEFAULT`` without one)."""
     cls = cache.method_cls if isinstance(cache, SlidingCache) else type(cache)
-    declare = getattr(cls, "stored_numerics", None)
+    declare = getattr(getattr(cls, "profile", None), "stored_numerics", None)
     return DEFAULT if declare is None else declare(cache.config, cache.layer)
 
 
