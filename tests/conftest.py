@@ -51,8 +51,8 @@ if os.environ.get(DOC_EXAMPLE_ENV):
     load_doc_example()
 
 # Each method declares the options under which a tiny model (head_dim 32, 4 layers)
-# compresses something within a few dozen tokens (``small_options``) and those under
-# which it keeps (nearly) everything of a 40-token prompt (``lossless_options``: 8-bit
+# compresses something within a few dozen tokens (``profile.small``) and those under
+# which it keeps (nearly) everything of a 40-token prompt (``profile.lossless``: 8-bit
 # codes, eviction that evicts nothing, full-rank factors, merging that merges nothing);
 # a method that declares none runs with its defaults.
 SMALL_OPTIONS: dict[str, dict[str, Any]] = {
@@ -102,12 +102,12 @@ def no_buffer_cache() -> Iterator[None]:
 
 
 def small_config(method: str, **extra: Any) -> KVCacheConfig:
-    """``method`` with its ``small_options``; a method that cannot be built fails the test."""
+    """``method`` with its ``profile.small``; a method that cannot be built fails the test."""
     return KVCacheConfig(method, **{**get_method(method).profile.small, **extra})
 
 
 def lossless_config(method: str, **extra: Any) -> KVCacheConfig:
-    """``method`` with its ``lossless_options``."""
+    """``method`` with its ``profile.lossless``."""
     return KVCacheConfig(method, **{**get_method(method).profile.lossless, **extra})
 
 

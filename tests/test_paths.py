@@ -3,7 +3,7 @@
 stored codes and the same inputs (``testing.paths``: each block of the model also runs on
 copies of its cache under the other paths).
 
-Every registered method runs at its compressing settings (``small_options``) over
+Every registered method runs at its compressing settings (``profile.small``) over
 prompt chunks of 1, 37 and 300 tokens after held codes, decode steps, a 2048-token
 chunk, and a batch of conversations of different lengths; every block's output on
 every path agrees within 1e-4 of the largest value (measured: at most 2.1e-6). The

@@ -5,7 +5,7 @@ kept cache cut to the prefix its prompt shares with it. The cut is made only as 
 ``exact_prefix`` allows: the copy must hold what a *fresh prefill* of the kept prefix
 holds (its tokens fed to a new cache in the server's prompt chunks, counted from the
 first token), so nothing computed over another conversation's tokens survives. These
-tests run every method at its compressing ``small_options`` on a tiny model: P+X and
+tests run every method at its compressing ``profile.small`` on a tiny model: P+X and
 P+Y each kept, then a prompt P+C served from each; the reused length is the one
 docs/usage.md states for the method, and the logits equal a fresh prefill of the reused
 prefix followed by the rest of the prompt.

@@ -4,7 +4,7 @@ The pool (``apps.prompt_reuse.CompressedPromptCache``) is driven in process exac
 mlx_lm.server's generation loop drives it: ``fetch_nearest_cache``, the batch
 generator's segments (a system prompt's cache is inserted when its segment ends), and
 ``insert_cache`` of the finished sequence. Models are tiny random llamas; prompts stay
-within the tokens that each method's ``lossless_options`` keep whole. At compressing
+within the tokens that each method's ``profile.lossless`` keep whole. At compressing
 settings a trimmed reuse must equal a fresh prefill of the prefix it keeps, or be cut
 shorter: tests/test_reuse_exact.py.
 
