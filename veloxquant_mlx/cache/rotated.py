@@ -135,9 +135,14 @@ def _declared_once(profile: Any) -> Any:
     """The method's ``after_build``, then the rotation declared by the first layer."""
     def after_build(caches: list[CompressedCache], config: KVCacheConfig, model: Any) -> None:
         profile.after_build(caches, config, model)
-        for i, c in enumerate(caches):
-            getattr(c, "inner", c).owns_rotation = i == 0  # a ring holds the cache inside
+        first_layer_owns(caches)
     return after_build
+
+
+def first_layer_owns(caches: list[CompressedCache], *_: Any) -> None:
+    """A rotation shared by every layer is held, and counted, by the first layer only."""
+    for i, c in enumerate(caches):
+        getattr(c, "inner", c).owns_rotation = i == 0  # a ring holds the cache inside
 
 
 def rotated_class(cls: type) -> type:

@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, window_dtype
+from veloxquant_mlx.cache.base import LayerInfo, window_dtype
 from veloxquant_mlx.cache.numerics import StoredNumerics, Stream, cast, code_flips
 from veloxquant_mlx.cache.profile import Profile
+from veloxquant_mlx.cache.rotated import first_layer_owns
 from veloxquant_mlx.cache.segments import (
     CodebookCodes,
     Dense,
@@ -163,12 +164,6 @@ def _precision_ladders() -> dict[str, dict[str, Any]]:
     }
 
 
-def _after_build(caches: list[CompressedCache], config: KVCacheConfig, model: Any) -> None:
-    # The rotations are shared by every layer: the first layer declares them.
-    for i, c in enumerate(caches):
-        getattr(c, "inner", c).owns_rotation = i == 0  # a ring holds the cache inside
-
-
 @register
 class TurboQuantCache(StoredFormCache):
     """Rotated K/V codes + float16 sinks and recent window."""
@@ -184,7 +179,7 @@ class TurboQuantCache(StoredFormCache):
         # (never the float16 window, whose commit timing is part of the numerics).
         drops_front=True,
         stored_numerics=_stored_numerics,
-        after_build=_after_build,
+        after_build=first_layer_owns,  # its rotations are shared by every layer
         tune_grid=_tune_grid,
         curve_tags=_curve_tags,
         ladders=_precision_ladders(),

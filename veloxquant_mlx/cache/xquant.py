@@ -128,6 +128,12 @@ def _hook(latent: Any, name: str) -> Any:
     return after_build
 
 
+def _form_field(name: str) -> property:
+    """A field of the stored form, read and set through the cache."""
+    return property(lambda self: getattr(self.stored, name),
+                    lambda self, v: setattr(self.stored, name, v))
+
+
 @register
 class XQuantCache(LayerInputCache):
     """Quantized X (or its K/V latents) per token, plus an optional fp window."""
@@ -163,29 +169,9 @@ class XQuantCache(LayerInputCache):
                               window_dtype(self.config, mx.float32))
 
     # What ``meta_state`` saves of the form (and sets, before ``state``, on a restore).
-    @property
-    def n_bits(self) -> int:
-        return self.stored.bits
-
-    @n_bits.setter
-    def n_bits(self, v: int) -> None:
-        self.stored.bits = v
-
-    @property
-    def group_size(self) -> int:
-        return self.stored.group_size
-
-    @group_size.setter
-    def group_size(self, v: int) -> None:
-        self.stored.group_size = v
-
-    @property
-    def window(self) -> int:
-        return self.stored.window
-
-    @window.setter
-    def window(self, v: int) -> None:
-        self.stored.window = v
+    n_bits = _form_field("bits")
+    group_size = _form_field("group_size")
+    window = _form_field("window")
 
     def bind(self, proj: Any) -> None:
         """Check the stored widths against ``group_size`` (known once the hook is in)."""
