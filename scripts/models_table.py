@@ -85,7 +85,7 @@ MLA models that cache a latent (deepseek_v3, kimi, glm4_moe_lite, mistral4, ...:
 rebuilt from it, a float score bias as mask), gpt-oss (sinks), and models that share one
 layer's K/V with others (gemma3n, gemma4, afm7).
 
-For those layers a method that can rebuild its keys and values (`dense_kv`: none,
+For those layers a method that can rebuild its keys and values (`keys_and_values`: none,
 affine, kivi, turboquant, xkv, minicache, streaming) gets a *reconstruction hook* on the
 modules that touch the layer's cache: their call sees a view whose `update_and_fetch`
 stores the chunk in the compressed form and returns a transient dense reconstruction

@@ -7,6 +7,8 @@ from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.adapter.mlx_lm import install_attention_routing
 from veloxquant_mlx.cache import LayerInfo
 from veloxquant_mlx.cache.affine import AffineCache
+from veloxquant_mlx.cache.base import restore_saved
+from veloxquant_mlx.cache.step_cost import layer_stats
 from veloxquant_mlx.ops import quantize as qz
 from veloxquant_mlx.testing.tiny import tiny_model
 
@@ -29,7 +31,7 @@ def test_round_trip_error_shrinks_with_bits(bits, tol):
     k, v = _kv(100)
     c = _cache(bits=bits, group_size=32)
     c.update_and_fetch(k, v)
-    dk, dv = c.dense_kv()
+    dk, dv = c.keys_and_values()
     assert dk.shape == k.shape
     assert mx.abs(dk - k).max().item() < tol
     assert mx.abs(dv - v).max().item() < tol
@@ -42,7 +44,7 @@ def test_window_keeps_recent_tokens_exact_and_quantizes_the_rest():
         c.update_and_fetch(k[:, :, i:i + 7], v[:, :, i:i + 7])
     assert c.offset == 50
     assert c.win[0].n == 16 and c.codes[0].n == 34
-    dk, _ = c.dense_kv()
+    dk, _ = c.keys_and_values()
     assert mx.array_equal(dk[:, :, -16:], k[:, :, -16:]).item()
     assert not mx.array_equal(dk[:, :, :34], k[:, :, :34]).item()
 
@@ -52,7 +54,7 @@ def test_held_bytes_match_accounting_and_4bit_ratio_at_1024_tokens():
     c = _cache(bits=4, group_size=64)
     for i in range(0, 1024, 256):
         c.update_and_fetch(k[:, :, i:i + 256], v[:, :, i:i + 256])
-    s = c.stats()
+    s = layer_stats(c)
     assert s["held_bytes"] == s["accounted_bytes"]
     assert s["fp16_bytes"] == 1024 * 3 * 128 * 2
     assert s["ratio"] <= 0.30
@@ -73,10 +75,10 @@ def test_state_round_trip():
     k, v = _kv(70)
     c = _cache(bits=4, group_size=32, window=8)
     c.update_and_fetch(k, v)
-    d = AffineCache.from_saved(c.config, c.layer, c.state, c.meta_state)
-    a, b = c.dense_kv(), d.dense_kv()
+    d = restore_saved(AffineCache, c.config, c.layer, c.state, c.meta_state)
+    a, b = c.keys_and_values(), d.keys_and_values()
     assert d.offset == 70 and mx.array_equal(a[0], b[0]).item()
-    with pytest.raises(TypeError, match="from_saved"):
+    with pytest.raises(TypeError, match="restore_saved"):
         AffineCache.from_state(c.state)  # mlx_lm's way has no config to build from
 
 
@@ -142,7 +144,7 @@ def test_decode_steps_write_in_place_and_match_one_shot(bits, group_size, window
     # The buffer grew only a few times (not per step) and keeps a small reserve.
     buf = c.codes[0].buf
     assert buf.slots > slots and buf.slots - buf.n <= buf.n // 32 + 1
-    s = c.stats()
+    s = layer_stats(c)
     assert s["held_bytes"] == s["accounted_bytes"]
     assert mx.array_equal(c.codes[0].codes().codes, one.codes[0].codes().codes).item()
     ref = one.attend(qs[:, :, 299:300], scale=0.125)

@@ -95,8 +95,8 @@ def test_a_batch_decodes_in_one_call_as_each_row_alone(method: str, cpu_streams:
     # attend row by row; a class that hooks the module attends by itself.
     # Classes that keep the stored form's batched call (an override returning None
     # attends row by row).
-    rows = getattr(cls, "attend_rows", None)
-    batches = rows is not None and rows.__func__ is stored.StoredFormCache.attend_rows.__func__
+    rows = getattr(cls, "_attend_rows", None)
+    batches = rows is not None and rows.__func__ is stored.StoredFormCache._attend_rows.__func__
     groups = streams.groups(len(PROMPTS), streams.stream_count())
     if not cls.attends and not cls.profile.hooks_module:  # rows hand dense K/V to the batch
         multi = sum(stop - start > 1 for start, stop in groups)
@@ -169,14 +169,14 @@ def test_a_batch_turns_its_new_tokens_once_per_layer(method: str, extra: dict,
     probe = KVCacheBuilder.for_model(model, small_config(method, **extra))
     cls = type(next(c for c in probe if isinstance(c, CompressedCache)))
     calls = {"calls": 0, "rows": 0}
-    original = cls.incoming
+    original = cls._incoming
 
     def counted(self: Any, keys: mx.array, values: mx.array) -> Any:
         calls["calls"] += 1
         calls["rows"] += keys.shape[0]
         return original(self, keys, values)
 
-    monkeypatch.setattr(cls, "incoming", counted)
+    monkeypatch.setattr(cls, "_incoming", counted)
     layers = [BatchedCache.merge(list(col)) for col in zip(*_rows(model, method, **extra))]
     calls.update(calls=0, rows=0)
     for step in STEPS:

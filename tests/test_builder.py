@@ -6,6 +6,7 @@ from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.adapter import mlx_lm as glue
 from veloxquant_mlx.cache.affine import AffineCache
 from veloxquant_mlx.cache.dense import DenseCache
+from veloxquant_mlx.cache.step_cost import layer_stats
 from veloxquant_mlx.config import ConfigError
 from veloxquant_mlx.testing.tiny import tiny_model
 
@@ -128,7 +129,7 @@ def test_cache_stats_counts_foreign_float32_layers_at_float16():
     sliding = [c for c in caches if isinstance(c, RotatingKVCache)]
     assert sliding and sliding[0].keys.dtype == mx.float32
     s = cache_stats(caches)
-    ours = sum(c.stats()["fp16_bytes"] for c in caches if isinstance(c, SnapKVCache))
+    ours = sum(layer_stats(c)["fp16_bytes"] for c in caches if isinstance(c, SnapKVCache))
     # The ring's window (16 tokens) in float16, not the 40 the prefill left it holding.
     assert sliding[0].keys.shape[2] == 40 and sliding[0].max_size == 16
     assert s["fp16_bytes"] == ours + sum(c.nbytes // 2 * 16 // 40 for c in sliding)

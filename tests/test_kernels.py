@@ -11,7 +11,7 @@ import pytest
 from conftest import PROMPT, small_config
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.cache.base import LayerInfo
+from veloxquant_mlx.cache.base import LayerInfo, code_pending
 from veloxquant_mlx.cache.stored import StoredFormCache
 from veloxquant_mlx.cache.turboquant import TurboQuantCache
 from veloxquant_mlx.memory import transient_peak
@@ -167,7 +167,7 @@ def _layers_of_codes(layers: int, n: int, heads: int) -> list[TurboQuantCache]:
         k, v = (mx.random.normal((1, heads, n, 64), key=mx.random.key(2 * i + s))
                 for s in (0, 1))
         c.update_and_fetch(k, v)
-        c.commit()
+        code_pending(c)
         mx.eval(c.state)
         out.append(c)
     return out

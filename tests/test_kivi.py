@@ -12,8 +12,9 @@ from test_memory import keep_dense_copy
 from veloxquant_mlx import ConfigError, KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.adapter.mlx_lm import install_attention_routing
 from veloxquant_mlx.cache.affine import AffineCache
-from veloxquant_mlx.cache.base import LayerInfo
+from veloxquant_mlx.cache.base import LayerInfo, code_pending
 from veloxquant_mlx.cache.kivi import KIVICache
+from veloxquant_mlx.cache.step_cost import layer_stats
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import attend_parts, sdpa
 from veloxquant_mlx.testing.tiny import tiny_model
@@ -116,7 +117,7 @@ def test_attention_matches_dense_over_reconstruction(packed, monkeypatch):
     c = make_cache(window=64)
     step(c, mx.random.normal((2, 2, 200, 32)), mx.random.normal((2, 2, 200, 32)))
     step(c, mx.random.normal((2, 2, 1, 32)), mx.random.normal((2, 2, 1, 32)))
-    keys, values = c.dense_kv()
+    keys, values = c.keys_and_values()
     assert keys.shape == values.shape == (2, 2, 201, 32)
     padded = mx.arange(201)[None, None, None] >= mx.array([0, 7])[:, None, None, None]
     for L, mask in ((1, None), (5, "causal"), (1, padded)):
@@ -145,13 +146,13 @@ def test_per_channel_keys_beat_per_token_on_outlier_channels():
                       LayerInfo(n_kv_heads=2, head_dim=64))
     aff.update_and_fetch(k, v)
     n_q = kivi.codes[0].qt.scales.shape[-1] * 32
-    err_kivi = mx.abs(kivi.dense_kv()[0][:, :, :n_q] - k[:, :, :n_q]).mean().item()
-    err_aff = mx.abs(aff.dense_kv()[0][:, :, :n_q] - k[:, :, :n_q]).mean().item()
+    err_kivi = mx.abs(kivi.keys_and_values()[0][:, :, :n_q] - k[:, :, :n_q]).mean().item()
+    err_aff = mx.abs(aff.keys_and_values()[0][:, :, :n_q] - k[:, :, :n_q]).mean().item()
     assert err_kivi < 0.5 * err_aff, (err_kivi, err_aff)
     # Values are per token, like affine: the same quantization error.
     n_vq = kivi.codes[1].n
-    ev_kivi = mx.abs(kivi.dense_kv()[1][:, :, :n_vq] - v[:, :, :n_vq]).mean().item()
-    ev_aff = mx.abs(aff.dense_kv()[1][:, :, :n_vq] - v[:, :, :n_vq]).mean().item()
+    ev_kivi = mx.abs(kivi.keys_and_values()[1][:, :, :n_vq] - v[:, :, :n_vq]).mean().item()
+    ev_aff = mx.abs(aff.keys_and_values()[1][:, :, :n_vq] - v[:, :, :n_vq]).mean().item()
     assert ev_kivi == pytest.approx(ev_aff, rel=0.05)
 
 
@@ -162,7 +163,7 @@ def test_two_bits_error_larger_than_four():
     for bits in (2, 4):
         c = make_cache(bits=bits, window=32)
         step(c, k, v)
-        dk, dv = c.dense_kv()
+        dk, dv = c.keys_and_values()
         errs.append(mx.abs(dk - k).mean().item() + mx.abs(dv - v).mean().item())
     assert errs[1] < 0.5 * errs[0]
 
@@ -174,10 +175,10 @@ def test_bytes_at_2048_tokens(bits, limit):
     c = make_cache(H=3, D=64, bits=bits)  # SmolLM2's layer shape, R = 128
     for _ in range(4):
         step(c, mx.random.normal((1, 3, 512, 64)), mx.random.normal((1, 3, 512, 64)), 9)
-    ratio_prefill = c.nbytes / c.stats()["fp16_bytes"]
+    ratio_prefill = c.nbytes / layer_stats(c)["fp16_bytes"]
     for _ in range(100):
         step(c, mx.random.normal((1, 3, 1, 64)), mx.random.normal((1, 3, 1, 64)), 9)
-    s = c.stats()
+    s = layer_stats(c)
     assert s["tokens"] == 2148
     assert abs(s["held_bytes"] - s["accounted_bytes"]) <= 0.05 * s["accounted_bytes"]
     assert ratio_prefill <= limit and s["ratio"] <= limit, (ratio_prefill, s)
@@ -316,10 +317,10 @@ def test_trim_keeps_every_remaining_token_as_it_was(bits: int, n: int) -> None:
     cache = make_cache(bits=bits, group_size=32, window=32)
     for L in (80, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1):
         step(cache, mx.random.normal((1, 2, L, 32)), mx.random.normal((1, 2, L, 32)))
-    k0, v0 = cache.dense_kv()
+    k0, v0 = cache.keys_and_values()
     before = cache.offset
     assert cache.trim(n) == n and cache.offset == before - n
-    k1, v1 = cache.dense_kv()
+    k1, v1 = cache.keys_and_values()
     assert k1.shape[2] == v1.shape[2] == before - n
     assert mx.array_equal(v1, v0[:, :, :before - n])
     assert mx.allclose(k1, k0[:, :, :before - n], rtol=1e-3, atol=1e-3)
@@ -327,7 +328,7 @@ def test_trim_keeps_every_remaining_token_as_it_was(bits: int, n: int) -> None:
     k, v = mx.random.normal((1, 2, 40, 32)), mx.random.normal((1, 2, 40, 32))
     for i in range(40):  # decode on: the flushes stay aligned on key groups
         step(cache, k[:, :, i:i + 1], v[:, :, i:i + 1])
-    k2, v2 = cache.dense_kv()
+    k2, v2 = cache.keys_and_values()
     assert k2.shape[2] == before - n + 40
     # Within a quantization step of these N(0, 1) inputs (a misaligned group: ~3).
     assert mx.abs(k2[:, :, -40:] - k).max().item() < (1.6 if bits == 2 else 0.45)
@@ -358,7 +359,7 @@ def test_server_reuse_cuts_only_where_the_docs_say(window: int, block: int) -> N
     limited = 0
     for _ in range(24):  # 168 tokens, seven at a time, each chunk committed
         cache.update_and_fetch(x, x)
-        cache.commit()
+        code_pending(cache)
         for keep in range(cache.offset + 1):
             got = exact_prefix([cache], keep)[0]
             assert got == documented_reuse(cache.offset, keep, window, block), \

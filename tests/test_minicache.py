@@ -12,6 +12,7 @@ from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.cache.base import LayerInfo, NotTrimmableError
 from veloxquant_mlx.cache.minicache import MiniCacheCache
 from veloxquant_mlx.cache.minicache_coordinator import MiniCacheCoordinator, slerp_merge
+from veloxquant_mlx.cache.step_cost import layer_stats
 from veloxquant_mlx.config import ConfigError
 from veloxquant_mlx.testing.tiny import tiny_model
 
@@ -275,7 +276,7 @@ def test_storage_is_real_and_counted_once(model, bits):
     n_win = store.n_pending(1)
     for a in partner.held_arrays():
         assert a.ndim == 3 or a.shape[2] in (n_win, store.n_retained()[0])
-    assert partner.nbytes < 0.25 * partner.stats()["fp16_bytes"]
+    assert partner.nbytes < 0.25 * layer_stats(partner)["fp16_bytes"]
     ids = {id(a) for a in primary.held_arrays()}
     assert not ids & {id(a) for a in partner.held_arrays()}
     stats = cache_stats(caches)
@@ -296,7 +297,7 @@ def test_merged_store_keeps_the_primarys_magnitudes(model):
     assert store.n_merged == 24
     tol = 0.02 * norms.max().item()
     assert close(store.keys.magnitude[0], norms, tol)
-    rk, _ = mini[3].dense_kv(mx.float32)
+    rk, _ = mini[3].keys_and_values(mx.float32)
     assert rk.shape == (1, 2, 24, 32)
     assert close(mx.linalg.norm(rk, axis=-1), norms, tol)
 
@@ -368,7 +369,7 @@ def test_pair_sides_are_the_stored_form(model):
         share_k, share_v, window = c.state
         assert len(share_k) == len(share_v) == (4 if m == 0 else 2)
         assert window is not None and window[0].shape[2] == store.n_pending(m)
-        k, v = c.dense_kv(mx.float32)
+        k, v = c.keys_and_values(mx.float32)
         want = coord.reconstruct(pair, m, mx.float32)
         assert mx.array_equal(k, want[0]).item() and mx.array_equal(v, want[1]).item()
     held = {id(a) for c in (primary, partner) for a in c.held_arrays()}
@@ -440,13 +441,13 @@ def test_trim_into_merged_tokens_keeps_the_rest_exactly(model, bits):
     tokens = mx.random.randint(0, 128, (2, 40), key=mx.random.key(9))
     caches = KVCacheBuilder.for_model(model, cfg)
     prefill_then_decode(model, caches, tokens[:, :36], 24)
-    before = [c.dense_kv(mx.float32) for c in caches]
+    before = [c.keys_and_values(mx.float32) for c in caches]
     held = cache_stats(caches)["held_bytes"]
     assert all(c.trim(15) == 15 for c in caches)  # 36 -> 21: into the merged store
     store = caches[3].layer.coordinator.store(caches[3].layer.group_id)
     assert store.n_merged == 21 and store.n_pending(0) == store.n_pending(1) == 0
     for c, (k, v) in zip(caches, before):
-        got_k, got_v = c.dense_kv(mx.float32)
+        got_k, got_v = c.keys_and_values(mx.float32)
         assert mx.array_equal(got_k, k[:, :, :21]).item()
         assert mx.array_equal(got_v, v[:, :, :21]).item()
     st = cache_stats(caches)
@@ -469,15 +470,15 @@ def test_trim_of_retained_tokens(model):
     assert store.n_merged == 24 and store.n_retained() == (12, 12)
     ragged = next(cut for cut in range(17, 24) if len({int(x) for x in (
         store.keys.retained_idx >= cut).sum(axis=-1).reshape(-1).tolist()}) > 1)
-    before = caches[3].dense_kv(mx.float32)
+    before = caches[3].keys_and_values(mx.float32)
     with pytest.raises(NotTrimmableError, match="inside a merged block"):
         caches[3].trim(39 - ragged)
-    assert store.n_merged == 24 and mx.array_equal(caches[3].dense_kv(mx.float32)[0],
+    assert store.n_merged == 24 and mx.array_equal(caches[3].keys_and_values(mx.float32)[0],
                                                     before[0]).item()
     # Back to a block boundary (16): 4 retained of each head go with it.
     assert all(c.trim(39 - 16) == 23 for c in caches)
     assert store.n_merged == 16 and store.n_retained() == (8, 8)
-    assert mx.array_equal(caches[3].dense_kv(mx.float32)[0], before[0][:, :, :16]).item()
+    assert mx.array_equal(caches[3].keys_and_values(mx.float32)[0], before[0][:, :, :16]).item()
 
 
 def test_tune_grid_spans_the_compression_range(model):

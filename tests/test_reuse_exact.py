@@ -25,7 +25,7 @@ from test_server_reuse import KEY, Provider, words
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.adapter.prefill import prefill
 from veloxquant_mlx.apps.prompt_reuse import CompressedPromptCache, exact_prefix
-from veloxquant_mlx.cache.base import LayerInfo
+from veloxquant_mlx.cache.base import LayerInfo, code_pending
 from veloxquant_mlx.registry import get_method
 from veloxquant_mlx.testing.tiny import tiny_model
 
@@ -120,7 +120,7 @@ def test_the_shared_prefix_of_a_kivi_cache_holds_the_other_conversation(model: A
 
 # ---- the rule against a brute-force comparison of states ----
 def _state(cache: Any) -> tuple[list[int], mx.array, mx.array]:
-    k, v = cache.dense_kv(mx.float32)
+    k, v = cache.keys_and_values(mx.float32)
     return [s.n for s in cache.stored.order], k, v
 
 
@@ -138,7 +138,7 @@ def _fed(cls: type, config: KVCacheConfig, k: mx.array, v: mx.array, n: int) -> 
     for start in range(0, n, CHUNK):
         stop = min(start + CHUNK, n)
         cache.update_and_fetch(k[:, :, start:stop], v[:, :, start:stop])
-        cache.commit()
+        code_pending(cache)
     return cache
 
 

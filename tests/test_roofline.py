@@ -10,6 +10,7 @@ import mlx.nn as nn
 import pytest
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
+from veloxquant_mlx.cache.step_cost import layer_stats
 from veloxquant_mlx.eval import bench
 from veloxquant_mlx.testing.tiny import tiny_model
 
@@ -29,14 +30,14 @@ def test_dense_attention_costs_two_flops_per_multiply_add() -> None:
     info = caches[0].layer
     one = 2 * attn.n_heads * 41 * (info.head_dim + info.v_head_dim)
     assert attn.n_heads > info.n_kv_heads  # query heads count, not KV heads
-    assert caches[0].decode_flops() == one
+    assert layer_stats(caches[0])["decode_flops"] == one
     assert cache_stats(caches)["decode_flops"] == len(model.layers) * one
 
 
 def test_evicting_caches_attend_only_what_they_keep() -> None:
     model = tiny_model("llama")
-    dense = _filled(model, "none", 60)[0].decode_flops()
-    kept = _filled(model, "streaming:sink=2,window=14", 60)[0].decode_flops()
+    dense = layer_stats(_filled(model, "none", 60)[0])["decode_flops"]
+    kept = layer_stats(_filled(model, "streaming:sink=2,window=14", 60)[0])["decode_flops"]
     assert kept == dense * 16 // 61
 
 
@@ -67,7 +68,7 @@ def test_xquant_rebuilds_keys_from_the_stored_width() -> None:
     c = caches[0]
     wk = c.widths[0]
     rebuild = 2 * (n + 1) * wk * c.layer.n_kv_heads * c.layer.head_dim
-    assert c.decode_flops() > rebuild
+    assert layer_stats(c)["decode_flops"] > rebuild
     assert cache_stats(caches)["decode_flops"] > dense + len(model.layers) * rebuild * 0.9
 
 

@@ -77,7 +77,7 @@ def test_gemma2_gets_a_dense_reconstruction_or_a_refusal(method: str) -> None:
     # do evicting methods (that attention may count positions from the keys it gets).
     model = tiny_model("gemma2")
     cls = get_method(method)
-    if (cls.attends and cls.dense_kv is CompressedCache.dense_kv) or cls.profile.evicts:
+    if (cls.attends and cls.keys_and_values is CompressedCache.keys_and_values) or cls.profile.evicts:
         with pytest.raises(UnsupportedModelError, match="gemma2.*does not call") as exc:
             KVCacheBuilder.for_model(model, lossless_config(method))
         assert exc.value.reason in (Refusal.NO_RECONSTRUCTION, Refusal.EVICTED_POSITIONS)

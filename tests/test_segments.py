@@ -95,11 +95,11 @@ def test_a_cut_key_group_returns_to_the_dense_segment_after_it() -> None:
     codes.append(x[:, :, :64])
     residual.append(x[:, :, 64:])
     values.append(x)
-    decoded = form.dense_kv(mx.float32)[0]
+    decoded = form.keys_and_values(mx.float32)[0]
     form.trim(40)  # 40 tokens stay: one whole group and 8 tokens of the next
     assert form.tokens() == (40, 40)
     assert codes.n == 32 and residual.n == 8
-    k, v = form.dense_kv(mx.float32)
+    k, v = form.keys_and_values(mx.float32)
     assert mx.allclose(k, decoded[:, :, :40], atol=1e-6).item()
     assert mx.array_equal(v, x[:, :, :40]).item()
 
@@ -113,7 +113,7 @@ def test_attention_over_the_form_is_attention_over_its_dense_view() -> None:
     form.values[0].append(y[:, :, :32])
     form.values[1].append(y[:, :, 32:])
     qr = mx.random.normal((B, 2 * H, 1, D), key=mx.random.key(4))
-    k, v = form.dense_kv(mx.float32)
+    k, v = form.keys_and_values(mx.float32)
     got = attend_parts(qr, *form.parts(), 0.2, None)
     assert mx.allclose(got, sdpa(qr, k, v, 0.2), atol=1e-5).item()
 

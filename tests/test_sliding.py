@@ -155,7 +155,7 @@ def _drop_counting_what_was_asked(self: SlidingCache) -> None:
 
 
 def _drop_the_window_too(self: TurboQuantCache, n: int) -> None:
-    self.commit()
+    self._commit()
     self.stored.drop_front(n)  # the bug: cuts the float16 window, whose commits shift
     self.offset -= n
 

@@ -6,7 +6,9 @@ from mlx_lm.generate import generate_step
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.adapter.mlx_lm import install_attention_routing
 from veloxquant_mlx.cache import LayerInfo
+from veloxquant_mlx.cache.base import restore_saved
 from veloxquant_mlx.cache.snapkv import SnapKVCache, pool_scores, select_tokens
+from veloxquant_mlx.cache.step_cost import layer_stats
 from veloxquant_mlx.config import ConfigError
 from veloxquant_mlx.testing.tiny import tiny_model
 
@@ -28,7 +30,7 @@ def _cache(**opts):
 
 def _keys(c):
     """The held keys in token order (the stored form's dense view)."""
-    return c.stored.dense_kv(mx.float32)[0]
+    return c.stored.keys_and_values(mx.float32)[0]
 
 
 def _prefill_then_decode(c, q, k, v, chunks, n_decode=1):
@@ -97,7 +99,7 @@ def test_eviction_is_real_and_decode_tokens_are_appended():
     before = c.nbytes
     assert c.obs.x.shape == (1, 4, 8, 16)  # only the window of queries is kept
     _prefill_then_decode_from(c, q, k, v, start=127, n=13)
-    s = c.stats()
+    s = layer_stats(c)
     assert c.compressed and c.obs.x is None
     assert _keys(c).shape[2] == 32 + 8 + 12 and s["tokens"] == 140
     assert s["held_bytes"] == s["accounted_bytes"] < before
@@ -171,7 +173,7 @@ def test_trimming_into_the_keep_set_is_refused_and_state_round_trip():
     # Only the observation window (4 tokens) follows the per-head keep-set.
     with pytest.raises(NotImplementedError, match="only its last 4 tokens"):
         c.trim(5)
-    d = SnapKVCache.from_saved(c.config, c.layer, c.state, c.meta_state)
+    d = restore_saved(SnapKVCache, c.config, c.layer, c.state, c.meta_state)
     assert d.compressed and d.capacity == 20 and d.offset == 60
     assert mx.array_equal(_keys(d), _keys(c)).item()
     with pytest.raises(NotImplementedError, match="only its last 4 tokens"):

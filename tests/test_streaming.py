@@ -4,6 +4,8 @@ import pytest
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, cache_stats
 from veloxquant_mlx.adapter.mlx_lm import install_attention_routing
 from veloxquant_mlx.cache import LayerInfo
+from veloxquant_mlx.cache.base import restore_saved
+from veloxquant_mlx.cache.step_cost import layer_stats
 from veloxquant_mlx.cache.streaming import StreamingCache
 from veloxquant_mlx.config import ConfigError
 from veloxquant_mlx.testing.tiny import tiny_model
@@ -26,7 +28,7 @@ def _cache(**opts):
 
 def _keys(c):
     """The held keys in time order (the stored form's dense view)."""
-    return c.stored.dense_kv(mx.float32)[0]
+    return c.stored.keys_and_values(mx.float32)[0]
 
 
 def _reference(q, k, v, sink, window, scale=0.25):
@@ -81,7 +83,7 @@ def test_held_bytes_stop_growing_and_match_accounting():
     full = 2 * 2 * 32 * (16 + 16) * 2  # B * H * (sink + window) * (D + Dv) * fp16
     assert sizes[31] == full and sizes[-1] == full and sizes[100] == full
     assert sizes[10] < full
-    s = c.stats()
+    s = layer_stats(c)
     assert s["tokens"] == 200 and s["held_bytes"] == s["accounted_bytes"]
     assert s["ratio"] == pytest.approx(32 / 200)
     # The sinks are the first tokens, the rest the most recent ones.
@@ -135,7 +137,7 @@ def test_state_round_trip():
     q, k, v = _kv(60)
     c = _cache(sink=2, window=10)
     _run(c, q, k, v, [50])
-    d = StreamingCache.from_saved(c.config, c.layer, c.state, c.meta_state)
+    d = restore_saved(StreamingCache, c.config, c.layer, c.state, c.meta_state)
     assert d.offset == 50 and d.sink == 2 and d.window == 10
     assert mx.array_equal(_keys(d), _keys(c)).item()
     # After ring steps the saved state is in time order and the loaded cache continues
@@ -143,7 +145,7 @@ def test_state_round_trip():
     for i in range(50, 57):
         c.update_and_fetch(k[:, :, i:i + 1], v[:, :, i:i + 1])
         c.attend(q[:, :, i:i + 1], scale=0.25)
-    d = StreamingCache.from_saved(c.config, c.layer, c.state, c.meta_state)
+    d = restore_saved(StreamingCache, c.config, c.layer, c.state, c.meta_state)
     assert c.ring[0].start == 7 and d.ring[0].start == 0
     assert mx.array_equal(_keys(d)[:, :, 2:], k[:, :, 47:57]).item()
     c.update_and_fetch(k[:, :, 57:60], v[:, :, 57:60])
@@ -189,9 +191,9 @@ def test_a_layer_that_attends_by_itself_reads_every_held_token():
     q, k, v = _kv(24)
     c = _cache(sink=2, window=30)
     c.update_and_fetch(k[:, :, :20], v[:, :, :20])
-    assert c.dense_kv()[0].shape[2] == 20 and c.make_mask(4) is not None
+    assert c.keys_and_values()[0].shape[2] == 20 and c.make_mask(4) is not None
     for i in range(20, 24):
         c.update_and_fetch(k[:, :, i:i + 1], v[:, :, i:i + 1])
-        keys, values = c.dense_kv()
+        keys, values = c.keys_and_values()
         assert mx.array_equal(keys, k[:, :, :i + 1]).item()
         assert mx.array_equal(values, v[:, :, :i + 1]).item()

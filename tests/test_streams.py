@@ -58,13 +58,13 @@ def test_each_group_of_rows_attends_on_its_own_stream(monkeypatch: pytest.Monkey
                                                       ) -> None:
     monkeypatch.setenv(streams.ENV, "2")
     seen: list[tuple[int, Any]] = []
-    original = StoredFormCache.attend_rows.__func__
+    original = StoredFormCache._attend_rows.__func__
 
     def recorded(cls: type, rows: list[Any], queries: mx.array, scale: float) -> Any:
         seen.append((len(rows), mx.default_stream(mx.cpu)))
         return original(cls, rows, queries, scale)
 
-    monkeypatch.setattr(StoredFormCache, "attend_rows", classmethod(recorded))
+    monkeypatch.setattr(StoredFormCache, "_attend_rows", classmethod(recorded))
     model = tiny_model("llama", seed=3)
     assert _max_error(model, "turboquant") <= TOLERANCE
     # Every layer of every step: a group of 2 rows, then one of 1, on two streams.

@@ -156,7 +156,7 @@ def test_rotation_is_what_makes_outlier_keys_cheap() -> None:
     for rotate in (True, False):
         c = _cache(k_bits=3, v_bits=3, window=0, sink=0, rotate=rotate)
         _attention_error(c, q, k, v, 40)
-        dk, _ = c.dense_kv()
+        dk, _ = c.keys_and_values()
         # Without rotation the outlier channel sits far outside the N(0, 1) codebook
         # (about 7 standard units) and is clipped; rotated, it is spread over all 64.
         errs[rotate] = (mx.linalg.norm((dk - k).reshape(-1))
@@ -169,7 +169,7 @@ def test_sinks_and_window_stay_exact_and_bytes_are_what_is_declared(block: int) 
     q, k, v = _kv(70, 4)
     c = _cache(k_bits=3, v_bits=2, sink=4, window=16, block=block)
     _attention_error(c, q, k, v, 30)
-    dk, dv = c.dense_kv()
+    dk, dv = c.keys_and_values()
     # Sinks and the window are float16 copies of the (rotated, then unrotated) input.
     for got, want in ((dk, k), (dv, v)):
         assert mx.abs(got[:, :, :4] - want[:, :, :4]).max().item() < 1e-2
@@ -188,10 +188,10 @@ def test_trim_drops_exactly_the_last_tokens(drop: int) -> None:
     q, k, v = _kv(60, 5)
     c = _cache(k_bits=3, v_bits=3, window=8)
     _attention_error(c, q, k, v, 20)
-    before = c.dense_kv()
+    before = c.keys_and_values()
     held = c.nbytes
     assert c.is_trimmable() and c.trim(drop) == drop and c.offset == 60 - drop
-    after = c.dense_kv()
+    after = c.keys_and_values()
     for a, b in zip(after, before):
         assert a.shape[2] == 60 - drop
         # The kept tokens unchanged: the same codes, un-rotated by a matmul over fewer

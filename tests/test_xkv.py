@@ -7,7 +7,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from test_memory import keep_dense_copy
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
-from veloxquant_mlx.cache.base import LayerInfo
+from veloxquant_mlx.cache.base import LayerInfo, restore_saved
 from veloxquant_mlx.cache.xkv import XKVCache, linear_cka, link_groups
 from veloxquant_mlx.config import ConfigError, KVCacheConfig
 from veloxquant_mlx.ops import factors as fr
@@ -188,7 +188,7 @@ def test_attend_matches_dense_kernel(model, pre_rope):
     q = mx.random.normal((1, 4, 3, 32))
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
     assert mx.allclose(c.attend(q, 0.2, "causal"), ref, atol=1e-4).item()
-    assert all(mx.allclose(a, b, atol=1e-4).item() for a, b in zip(c.dense_kv(), (k, v)))
+    assert all(mx.allclose(a, b, atol=1e-4).item() for a, b in zip(c.keys_and_values(), (k, v)))
 
 
 def test_low_rank_compresses_and_accounting_matches(model):
@@ -289,7 +289,7 @@ def test_state_roundtrip(model):
     caches = KVCacheBuilder.for_model(model, cfg)
     _run(model, caches, tokens, 64)
     fresh = KVCacheBuilder.for_model(model, cfg)
-    fresh = [XKVCache.from_saved(cfg, new.layer, old.state, old.meta_state)
+    fresh = [restore_saved(XKVCache, cfg, new.layer, old.state, old.meta_state)
              for old, new in zip(caches, fresh)]
     link_groups(fresh)
     q = mx.random.normal((1, 4, 1, 32))
@@ -326,13 +326,13 @@ def test_restore_refuses_sinks_that_disagree_with_the_saved_count(model):
     old = caches[1]
     meta = list(old.meta_state)
     meta[3] = "2"  # the saved sink count
-    new = XKVCache.from_saved(cfg, old.layer, old.state, tuple(meta))
+    new = restore_saved(XKVCache, cfg, old.layer, old.state, tuple(meta))
     with pytest.raises(ValueError, match="sink tokens held"):
-        new.check_state()
-    XKVCache.from_saved(cfg, old.layer, old.state, old.meta_state).check_state()
+        XKVCache.profile.check_restored(new)
+    XKVCache.profile.check_restored(restore_saved(XKVCache, cfg, old.layer, old.state, old.meta_state))
     meta[2] = str(old.offset + 1)  # the window would start after the last token
     with pytest.raises(ValueError, match="out of order"):
-        XKVCache.from_saved(cfg, old.layer, old.state, tuple(meta))
+        restore_saved(XKVCache, cfg, old.layer, old.state, tuple(meta))
 
 
 def test_trim_waits_for_the_group_to_finish_its_pass(model):
@@ -426,7 +426,7 @@ def _subspace_tokens(n, rank, seed):
 
 
 def _err(c, x):
-    k, _ = c.dense_kv(mx.float32)
+    k, _ = c.keys_and_values(mx.float32)
     return (mx.linalg.norm(k[0, 0] - x) / mx.linalg.norm(x)).item()
 
 
@@ -452,7 +452,7 @@ def test_sinks_stay_exact_and_outside_the_svd(model):
     for sink in (0, 1):
         c = _single_layer(block=64, rank_k=4, rank_v=4, sink=sink)
         _feed(c, x, 16)
-        k, _ = c.dense_kv(mx.float32)
+        k, _ = c.keys_and_values(mx.float32)
         errs.append((mx.linalg.norm(k[0, 0, 1:64] - x[1:64]) /
                      mx.linalg.norm(x[1:64])).item())
     assert errs[1] < 1e-2 < 0.2 < errs[0], errs  # measured: 3e-4 and 0.36
@@ -470,7 +470,7 @@ def test_a_basis_per_prompt_block_fits_later_tokens():
     once = _single_layer(block=63, rank_k=4, rank_v=4)
     _feed(once, x, 64)
     assert not once.refit and [b[0] for b in once.bases] == [0]
-    k_refit = refit.dense_kv(mx.float32)[0][0, 0, :128]
+    k_refit = refit.keys_and_values(mx.float32)[0][0, 0, :128]
     assert (mx.linalg.norm(k_refit - x) / mx.linalg.norm(x)).item() < 1e-2
     assert _err(once, x[:once.offset]) > 0.3
 
@@ -507,13 +507,13 @@ def test_trim_keeps_the_kept_tokens_exactly(model, cut):
     cfg = _cfg(block=FULL, sink=4, factor_bits=8)
     caches = KVCacheBuilder.for_model(model, cfg)
     _run(model, caches, tokens[:, :FULL + 44], FULL + 40)
-    before = [c.dense_kv(mx.float32) for c in caches]
+    before = [c.keys_and_values(mx.float32) for c in caches]
     held = cache_stats(caches)["held_bytes"]
     assert all(c.is_trimmable() and c.trim(cut) == cut for c in caches)
     keep = FULL + 44 - cut
     for c, (k, v) in zip(caches, before):
         assert c.offset == keep
-        got = c.dense_kv(mx.float32)
+        got = c.keys_and_values(mx.float32)
         # Rebuilt from the same factors; a matmul over fewer rows may round differently
         # (OpenBLAS blocks by row count), a wrong token would be off by O(1).
         assert mx.allclose(got[0], k[:, :, :keep], rtol=1e-6, atol=1e-6).item()

@@ -9,6 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
 from veloxquant_mlx.cache.layer_inputs import CrossLayerDeltas, LayerInputForm
+from veloxquant_mlx.cache.step_cost import layer_stats
 from veloxquant_mlx.cache.xquant import XQuantCache, XQuantCLCache
 from veloxquant_mlx.cache.xquant_coordinator import XQuantCoordinator
 from veloxquant_mlx.cache.xquant_hook import (
@@ -65,7 +66,7 @@ def test_held_matches_accounted_and_no_full_size_copy(llama):
         caches = KVCacheBuilder.for_model(llama, cfg)
         prefill_then_decode(llama, caches, tokens, 40)
         for c in caches:
-            s = c.stats()
+            s = layer_stats(c)
             assert s["tokens"] == 70
             assert abs(s["held_bytes"] - s["accounted_bytes"]) <= 0.05 * s["accounted_bytes"]
             # Only uint32 codes, fp16 scales/biases and the small window are held.
@@ -188,7 +189,7 @@ def test_trim_continues_as_a_fresh_cache(llama, method, kwargs, cut):
     caches = KVCacheBuilder.for_model(llama, cfg)
     prefill_then_decode(llama, caches, tokens[:, :30], 20)
     held = [c.stored.arrays() for c in caches]
-    dense = [c.dense_kv() for c in caches] if method == "xquant" else None
+    dense = [c.keys_and_values() for c in caches] if method == "xquant" else None
     assert all(c.is_trimmable() and c.trim(cut) == cut for c in caches)
     keep = 30 - cut
     for i, (c, before) in enumerate(zip(caches, held)):
@@ -198,7 +199,7 @@ def test_trim_continues_as_a_fresh_cache(llama, method, kwargs, cut):
         assert mx.array_equal(codes, before[0][:, :codes.shape[1]]).item()
         if dense is not None:
             # Rebuilt from the same codes; a matmul over fewer rows may round differently.
-            k, v = c.dense_kv()
+            k, v = c.keys_and_values()
             assert mx.allclose(k, dense[i][0][:, :, :keep], rtol=1e-6, atol=1e-6).item()
             assert mx.allclose(v, dense[i][1][:, :, :keep], rtol=1e-6, atol=1e-6).item()
     st = cache_stats(caches)

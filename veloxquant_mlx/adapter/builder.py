@@ -36,7 +36,7 @@ from veloxquant_mlx.adapter.mlx_lm import (
     uninstall_reconstruction,
 )
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
-from veloxquant_mlx.cache.step_cost import query_heads
+from veloxquant_mlx.cache.step_cost import layer_stats, query_heads
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.registry import methods, resolve
 
@@ -113,7 +113,7 @@ def cache_stats(caches: list[Any]) -> dict[str, Any]:
     foreign = []
     for c in caches:
         if isinstance(c, CompressedCache) or hasattr(c, "caches"):  # ours, or a batch of ours
-            s = c.stats()
+            s = c.stats() if hasattr(c, "caches") else layer_stats(c)
             held += s["held_bytes"]
             accounted += s["accounted_bytes"]
             fp16 += s["fp16_bytes"]

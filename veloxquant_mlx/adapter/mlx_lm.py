@@ -18,7 +18,7 @@ or cast after the cache, attention sinks, float score biases, K/V shared with ot
 layers. No layer name (``k_proj``, ``qkv_proj``, ``c_attn``, ...) is needed.
 
 A layer that is not routable cannot use a cache's ``attend``. For methods that can
-rebuild their keys and values (``dense_kv``), ``check_attention_routing`` installs a
+rebuild their keys and values (``keys_and_values``), ``check_attention_routing`` installs a
 reconstruction hook on the modules that touch that layer's cache: they see a view
 whose ``update_and_fetch`` and ``keys_and_values`` return a transient dense
 reconstruction (the stored form stays compressed) and attend over it themselves.
@@ -564,13 +564,13 @@ class _DenseView:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         out = self._cache.update_and_fetch(keys, values)
         if getattr(self._cache, "attends", False):
-            out = self._cache.dense_kv(keys.dtype)
+            out = self._cache.keys_and_values(keys.dtype)
         # Caches that return dense keys already, too: the layer's output must depend on
         # the stored form, or the chunk's full-precision copy stays alive with it.
         return tuple(depend_on_state(list(out), self._cache))
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        return self._cache.dense_kv()
+        return self._cache.keys_and_values()
 
 
 def _is_compressed(obj: Any) -> bool:
@@ -578,7 +578,7 @@ def _is_compressed(obj: Any) -> bool:
     rows = getattr(obj, "caches", None)
     if isinstance(rows, list) and hasattr(obj, "take_rows"):
         return bool(rows) and _is_compressed(rows[0])
-    return hasattr(obj, "held_arrays") and hasattr(obj, "dense_kv") and \
+    return hasattr(obj, "held_arrays") and hasattr(obj, "keys_and_values") and \
         not isinstance(obj, _DenseView)
 
 
@@ -635,7 +635,7 @@ class MethodCaps(NamedTuple):
     """What routing needs to know of a cache class."""
 
     attends: bool  # it attends itself (``attend``)
-    rebuilds: bool  # it can hand a dense view of its keys and values (``dense_kv``)
+    rebuilds: bool  # it can hand a dense view of its keys and values (``keys_and_values``)
     hooks: bool  # it takes over the owning module's call (``hooks_module``)
     evicts: bool  # it holds fewer tokens than it has seen (``evicts``)
 
@@ -644,7 +644,7 @@ def method_caps(cls: type) -> MethodCaps:
     """The routing capabilities a cache class declares."""
     from veloxquant_mlx.cache.base import CompressedCache
 
-    return MethodCaps(bool(cls.attends), cls.dense_kv is not CompressedCache.dense_kv,
+    return MethodCaps(bool(cls.attends), cls.keys_and_values is not CompressedCache.keys_and_values,
                       bool(cls.profile.hooks_module), bool(cls.profile.evicts))
 
 

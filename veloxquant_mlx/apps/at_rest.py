@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx.adapter.builder import KVCacheBuilder
-from veloxquant_mlx.cache.base import CompressedCache, LayerInfo
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, code_pending
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.errors import PromptCacheError
 from veloxquant_mlx.ops.files import replacing
@@ -103,8 +103,8 @@ def _dense(cache: Any, slot: int) -> tuple[mx.array, mx.array]:
     if getattr(getattr(cache, "profile", None), "evicts", False):  # its keys no longer sit at positions 0..N-1
         raise AtRestError(f"layer {slot}: a {type(cache).__name__} has evicted tokens; "
                           "at-rest caches save whole histories (restore into it instead)")
-    if hasattr(cache, "dense_kv"):
-        k, v = cache.dense_kv()
+    if hasattr(cache, "keys_and_values"):
+        k, v = cache.keys_and_values()
     elif isinstance(getattr(cache, "keys", None), mx.array) and \
             type(cache).__name__ == "KVCache":
         k, v = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
@@ -523,10 +523,10 @@ def restore_caches(model: nn.Module, layers: list[tuple[mx.array, mx.array]],
             cache.update_and_fetch(k[:, :, s: s + chunk], v[:, :, s: s + chunk])
         mx.eval([c.state for c in caches])
     for cache in caches:
-        # A prefill's attention codes what it attended (``commit``); no attention ran
-        # here, so code the last chunk now, or it would sit in full precision.
+        # No attention ran here, so code the last chunk now (``code_pending``), or it
+        # would sit in full precision.
         if isinstance(cache, CompressedCache):
-            cache.commit()
+            code_pending(cache)
     mx.eval([c.state for c in caches])
     return caches
 

@@ -46,7 +46,7 @@ from veloxquant_mlx.apps.distributed import (
     shard_header,
     shard_mismatch,
 )
-from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, NotTrimmableError
+from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, NotTrimmableError, restore_saved
 from veloxquant_mlx.cache.restore_check import (
     STORED_DTYPES,
     check_meta,
@@ -216,7 +216,7 @@ def _save_at_rest(path: str | Path, caches: list[Any], metadata: dict[str, str] 
 
 def _holds_float32(caches: list[Any]) -> bool:
     first = caches[0] if caches else None
-    keys = first.dense_kv()[0] if hasattr(first, "dense_kv") else getattr(first, "keys", None)
+    keys = first.keys_and_values()[0] if hasattr(first, "keys_and_values") else getattr(first, "keys", None)
     return isinstance(keys, mx.array) and keys.dtype == mx.float32
 
 
@@ -417,7 +417,7 @@ def _rebuild(i: int, entry: dict[str, Any], arrays: dict[str, mx.array], where: 
     try:
         if info is None:
             return _rebuild_foreign(entry, state)
-        cache = method_cls.from_saved(config, info, state, tuple(entry["meta_state"]))
+        cache = restore_saved(method_cls, config, info, state, tuple(entry["meta_state"]))
     except PromptCacheError as exc:
         raise PromptCacheError(f"{here}: {exc}") from exc
     except Exception as exc:

@@ -118,7 +118,7 @@ def layer_prefix(cache: Any, keep: int) -> int:
     cache = getattr(cache, "inner", cache)  # a sliding ring that never dropped
     if not isinstance(cache, CompressedCache):
         return keep  # mlx_lm's own caches hold tokens as received
-    own = cache.reusable_prefix(keep)
+    own = type(cache).profile.reusable_prefix(cache, keep)
     if own is not None:
         return min(keep, int(own))
     held = cache.offset

@@ -93,7 +93,8 @@ class AffineCache(StoredFormCache):
                             "knobs": {"bits": (2, 3, 4, 8)},
                             "streams": {"bits": ("keys", "values")}}})
     attends = True
-    meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
+    meta_fields = {"offset": int, "batch_size": int, "n_bits": int, "group_size": int,
+                   "window": int}
     compute_dtype = mx.float32
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:

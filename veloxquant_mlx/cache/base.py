@@ -7,7 +7,7 @@ arrays, ``offset``, ``make_mask``, ``state``/``meta_state``, ``trim``.
 Required (abstract): ``update_and_fetch``, ``held_arrays``, ``accounted_bytes`` and
 ``state``. Optional, with the defaults below: ``attends`` + ``attend`` (attention over
 the compressed form, reached through ``adapter.mlx_lm``'s routing; ``update_and_fetch``
-then returns only the new chunk), ``dense_kv``, ``trim``, ``merge`` (batches),
+then returns only the new chunk), ``keys_and_values``, ``trim``, ``merge`` (batches),
 ``meta_fields`` (what ``meta_state`` saves) and the declared capabilities below.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import copyreg
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -24,7 +25,6 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from veloxquant_mlx.cache import finite
 from veloxquant_mlx.cache.profile import Profile
-from veloxquant_mlx.cache.step_cost import dense_flops, fp16_bytes
 from veloxquant_mlx.options import MethodOptions, config_error
 
 if TYPE_CHECKING:
@@ -123,25 +123,8 @@ class CompressedCache(_BaseCache, ABC):
     # Runs attention over its own form (``attend``); ``update_and_fetch`` then returns
     # only the new chunk.
     attends: ClassVar[bool] = False
-    meta_fields: ClassVar[tuple[str, ...]] = ("offset", "batch_size")
-    # How a meta field is parsed back from its string (default: int).
-    meta_types: ClassVar[dict[str, Any]] = {}
-
-    @classmethod
-    def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
-                    ) -> mx.array | None:
-        """One decode call over a batch's rows (``cache.batch``), or None: per row."""
-        return None
-
-    def commit(self) -> None:
-        """Code what the last step attended in full precision (default: nothing)."""
-
-    def check_state(self) -> None:
-        """Restored arrays outside the stored form, checked (``cache.restore_check``)."""
-
-    def reusable_prefix(self, keep: int) -> int | None:
-        """Longest exact cut ``<= keep`` for reuse; None: as ``stored_numerics`` says."""
-        return None
+    # What ``meta_state`` saves: attribute -> how it is parsed back from its string.
+    meta_fields: ClassVar[dict[str, Callable[[str], Any]]] = {"offset": int, "batch_size": int}
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         self.config = config
@@ -151,12 +134,8 @@ class CompressedCache(_BaseCache, ABC):
         self.offset = 0
         self.batch_size = 0
 
-    def constants(self) -> list[mx.array]:
-        """Immutable arrays (rotations) that deep copies share: copies still batch."""
-        return []
-
     def __deepcopy__(self, memo: dict) -> CompressedCache:
-        memo.update({id(a): a for a in self.constants()})
+        memo.update({id(a): a for a in self._constants()})
         out = memo[id(self)] = object.__new__(type(self))
         out.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return out
@@ -165,11 +144,6 @@ class CompressedCache(_BaseCache, ABC):
     @abstractmethod
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store a chunk; return dense keys/values, or the chunk itself when ``attends``."""
-
-    def incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
-        """The per-sequence-independent part of ``update_and_fetch`` (a rotation, a cast) or
-        None; a batch computes it once and passes each row its slice as ``incoming=``."""
-        return None
 
     @abstractmethod
     def held_arrays(self) -> list[mx.array]:
@@ -188,40 +162,18 @@ class CompressedCache(_BaseCache, ABC):
     @abstractmethod
     def state(self, v: Any) -> None: ...
 
-    # ---- building (class-level hooks of the builder) ----
-    @classmethod
-    def from_saved(cls, config: KVCacheConfig, layer: LayerInfo, state: Any,
-                   meta_state: tuple[str, ...]) -> CompressedCache:
-        """Rebuild a saved cache: ``meta_state`` first (it says how ``state`` is laid out).
-
-        ``layer`` already carries the roles and the fresh coordinator that
-        ``assign_roles`` injected.
-        """
-        for restore in LAYER_RESTORERS:  # e.g. a sliding-window ring over this method
-            cache = restore(cls, config, layer, state, meta_state)
-            if cache is not None:
-                return cache
-        cache = cls(config, layer)
-        cache.meta_state = meta_state
-        cache.state = state
-        return cache
-
     # ---- optional capabilities ----
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         """Attention of ``queries`` over everything held (only when ``attends``)."""
         raise NotImplementedError(f"{type(self).__name__} ({self.method!r}) does not run "
                                   "its own attention")
 
-    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
-        """A transient dense copy of the keys/values held (diagnostics, and layers whose
-        attention does not reach ``attend``: see ``adapter.mlx_lm``)."""
+    def keys_and_values(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+        """A transient dense copy of the keys/values held: mlx_lm's call for reading a
+        cache without updating it (models whose layers share K/V), diagnostics, and
+        layers whose attention does not reach ``attend`` (``adapter.mlx_lm``)."""
         raise NotImplementedError(f"{type(self).__name__} ({self.method!r}) has no dense "
                                   "reconstruction of its keys and values")
-
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        """mlx_lm's name for reading a cache without updating it (models whose layers
-        share K/V call it): a transient dense reconstruction, as ``dense_kv``."""
-        return self.dense_kv()
 
     def is_trimmable(self) -> bool:
         return False
@@ -264,25 +216,24 @@ class CompressedCache(_BaseCache, ABC):
             total += a.nbytes
         return total
 
-    def decode_flops(self) -> int:
-        """FLOPs of one decode query's attention here (``cache.step_cost``: dense
-        attention's over the tokens it attends unless the method says otherwise)."""
-        return dense_flops(self)
+    # ---- optional hooks, private to the cache package (batches, coding) ----
+    def _commit(self) -> None:
+        """Code what the last step attended in full precision (default: nothing)."""
 
-    def stats(self) -> dict[str, Any]:
-        """Held bytes, accounted bytes, fp16-equivalent bytes, tokens and ratio."""
-        held = self.nbytes
-        fp16 = fp16_bytes(self)
-        return {
-            "method": self.method,
-            "layer": self.layer.layer_idx,
-            "tokens": self.offset,
-            "held_bytes": held,
-            "accounted_bytes": self.accounted_bytes(),
-            "fp16_bytes": fp16,
-            "ratio": (held / fp16) if fp16 else 0.0,
-            "decode_flops": self.decode_flops(),
-        }
+    def _incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
+        """The per-sequence-independent part of ``update_and_fetch`` (a rotation, a cast) or
+        None; a batch computes it once and passes each row its slice as ``incoming=``."""
+        return None
+
+    def _constants(self) -> list[mx.array]:
+        """Immutable arrays (rotations) that deep copies share: copies still batch."""
+        return []
+
+    @classmethod
+    def _attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
+                     ) -> mx.array | None:
+        """One decode call over a batch's rows (``cache.batch``), or None: per row."""
+        return None
 
     # ---- mlx_lm protocol ----
     def size(self) -> int:
@@ -305,7 +256,29 @@ class CompressedCache(_BaseCache, ABC):
             raise ValueError(f"{type(self).__name__}: meta_state has {len(v)} entries, "
                              f"expected {len(self.meta_fields)} ({', '.join(self.meta_fields)})")
         for name, text in zip(self.meta_fields, v):
-            setattr(self, name, self.meta_types.get(name, int)(text))
+            setattr(self, name, self.meta_fields[name](text))
+
+
+def restore_saved(cls: type[CompressedCache], config: KVCacheConfig, layer: LayerInfo,
+                  state: Any, meta_state: tuple[str, ...]) -> CompressedCache:
+    """A saved layer of method class ``cls`` rebuilt: ``meta_state`` first (it says how
+    ``state`` is laid out). ``layer`` already carries the roles and the fresh coordinator
+    that ``assign_roles`` injected; a registered restorer (a rotated class, a
+    sliding-window ring over the method) takes the layer where it applies."""
+    for restore in LAYER_RESTORERS:
+        cache = restore(cls, config, layer, state, meta_state)
+        if cache is not None:
+            return cache
+    cache = cls(config, layer)
+    cache.meta_state = meta_state
+    cache.state = state
+    return cache
+
+
+def code_pending(cache: CompressedCache) -> None:
+    """Code what ``cache`` holds in full precision until its next attention (a restore
+    that fed it chunks without attending them; a prefill's attention does it itself)."""
+    cache._commit()
 
 
 def window_dtype(config: KVCacheConfig, compute_dtype: mx.Dtype) -> mx.Dtype:
@@ -367,7 +340,7 @@ def require_built(cache: CompressedCache) -> None:
     if "stored" not in cache.__dict__:
         raise TypeError(
             f"{type(cache).__name__} needs its config and layer to adopt a saved state: "
-            "rebuild it with from_saved(config, layer, state, meta_state) or "
+            "rebuild it with restore_saved(cls, config, layer, state, meta_state) or "
             "veloxquant_mlx.load_prompt_cache")
 
 

@@ -9,7 +9,7 @@ compressed cache:
 
 - ``update_and_fetch`` hands row ``i`` only its real (unpadded) tokens;
 - a decode step (one token per row) attends every row in one call where the rows'
-  class can lay its stored segments side by side (``attend_rows``: stored forms,
+  class can lay its stored segments side by side (``_attend_rows``: stored forms,
   ``cache.stored``; padded per segment, a mask per row); rows that return dense keys
   and values attend one by one (padding them would copy each row's whole cache). On a
   CPU the rows go in groups, one call per group, each on a CPU stream of its own
@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from veloxquant_mlx.cache import finite
+from veloxquant_mlx.cache.step_cost import layer_stats
 from veloxquant_mlx.ops import dispatch, streams
 from veloxquant_mlx.ops.attention import sdpa
 from veloxquant_mlx.ops.parts import DensePart
@@ -52,7 +53,7 @@ def _alike(a: Any, b: Any) -> bool:
     """Same class, config and shared constants (rotations): they turn new tokens alike."""
     if type(a) is not type(b) or a.config != b.config:
         return False
-    ka, kb = a.constants(), b.constants()
+    ka, kb = a._constants(), b._constants()
     return len(ka) == len(kb) and all(x is y for x, y in zip(ka, kb))
 
 
@@ -130,10 +131,10 @@ class BatchedCache(_BaseCache):
         return [[a[i:i + 1, :, :r] for a in arrays] for i, r in enumerate(self._real)]
 
     def _incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, ...] | None:
-        """What every row would make of its tokens alike (``incoming``), computed once
+        """What every row would make of its tokens alike (``_incoming``), computed once
         for the batch, when the rows are of one class, config and constants."""
         first = self.caches[0]
-        hook = getattr(first, "incoming", None)
+        hook = getattr(first, "_incoming", None)
         if hook is None or not all(_alike(first, c) for c in self.caches[1:]):
             return None
         return hook(keys, values)
@@ -141,7 +142,7 @@ class BatchedCache(_BaseCache):
     def _attend_at_once(self, queries: mx.array, scale: float, start: int = 0,
                         stop: int | None = None) -> mx.array | None:
         """A decode step of rows ``start:stop`` in one call, where their class lays
-        their stored forms side by side (``attend_rows``); None otherwise."""
+        their stored forms side by side (``_attend_rows``); None otherwise."""
         rows = self.caches[start:stop]
         first = rows[0]
         if (queries.shape[2] != 1 or any(r != 1 for r in self._real[start:stop])
@@ -165,7 +166,7 @@ class BatchedCache(_BaseCache):
                                                   for k, v in dense])
         if any(d is not None for d in dense):
             return None
-        return type(first).attend_rows(rows, queries[start:stop], scale)
+        return type(first)._attend_rows(rows, queries[start:stop], scale)
 
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
         # A decode step's groups of rows run on CPU streams of their own (``ops.streams``:
@@ -256,7 +257,7 @@ class BatchedCache(_BaseCache):
 
     def stats(self) -> dict[str, Any]:
         """The rows' stats summed (held, accounted and fp16-equivalent bytes, FLOPs)."""
-        rows = [c.stats() for c in self.caches]
+        rows = [layer_stats(c) for c in self.caches]
         out = {k: sum(r.get(k, 0) for r in rows)
                for k in ("held_bytes", "accounted_bytes", "fp16_bytes", "decode_flops")}
         out["ratio"] = out["held_bytes"] / out["fp16_bytes"] if out["fp16_bytes"] else 0.0

@@ -50,12 +50,15 @@ class DenseCache(StoredFormCache):
     def values(self) -> mx.array | None:
         return self.stored.values[0].buf
 
-    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+    def keys_and_values(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
         """The held keys/values (views of the buffers; cast when ``dtype`` is given)."""
-        return self.stored.dense_kv(dtype)
+        return self.stored.keys_and_values(dtype)
 
-    @classmethod
-    def from_saved(cls, config: KVCacheConfig, layer: LayerInfo, state: Any,
-                   meta_state: tuple[str, ...]) -> DenseCache:
+    @property
+    def state(self) -> list[Any]:
+        return self.stored.state()
+
+    @state.setter
+    def state(self, v: list[Any]) -> None:
         # Files written before the stored form saved an empty cache as no entries.
-        return super().from_saved(config, layer, state or [None, None], meta_state)
+        StoredFormCache.state.fset(self, v or [None, None])

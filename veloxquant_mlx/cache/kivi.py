@@ -128,7 +128,8 @@ class KIVICache(StoredFormCache):
         stored_numerics=_stored_numerics,
     )
     attends = True
-    meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window")
+    meta_fields = {"offset": int, "batch_size": int, "n_bits": int, "group_size": int,
+                   "window": int}
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -146,7 +147,7 @@ class KIVICache(StoredFormCache):
                                  [self.codes[1], self.residual[1]],
                                  state_order=[*self.residual, *self.codes])
 
-    def incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def _incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The chunk in the residual's dtype."""
         wdt = window_dtype(self.config, keys.dtype)
         return keys.astype(wdt), values.astype(wdt)
@@ -156,12 +157,12 @@ class KIVICache(StoredFormCache):
                          ) -> tuple[mx.array, mx.array]:
         self.begin(keys, values)  # a step that did not attend leaves its tokens uncoded
         wdt = window_dtype(self.config, keys.dtype)
-        for res, x in zip(self.residual, incoming or self.incoming(keys, values)):
+        for res, x in zip(self.residual, incoming or self._incoming(keys, values)):
             res.dtype = wdt
             res.append(x)
         return keys, values
 
-    def commit(self) -> None:
+    def _commit(self) -> None:
         """Code what has left the residual, as the reference does after a step attended
         over it in full precision: keys in whole blocks of R, values once older than R,
         ``block`` at a time (coding one per step cost every layer a few small MLX

@@ -29,7 +29,7 @@ class PairSide(Segment):
 
     kind = "merged"
     # Its entries are one layer's share of a store, not one encoder's output per token:
-    # the cache's ``check_state`` and dense view check them on a restore.
+    # the profile's ``check_restored`` and the dense view check them on a restore.
     checked_by_cache = True
 
     def __init__(self, coord: Any, pair_id: int, member: int, side: int, dim: int) -> None:

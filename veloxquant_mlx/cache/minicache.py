@@ -148,6 +148,36 @@ def _step_arrays(cache: Any) -> list[mx.array]:
     return cache.layer.coordinator.pair_arrays(cache.layer.group_id)
 
 
+def _check_restored(cache: Any) -> None:
+    """The restored form against the options and the pair's counters
+    (``cache.restore_check``; its dense view checks the shapes after this)."""
+    coded = cache.code_bits is not None
+    # Floats everywhere but the codes (uint32) and the retained positions (int32).
+    require_dtypes("saved arrays", [a for _, a in flat_state(cache.state)],
+                   (*FLOATS, mx.int32, *((mx.uint32,) if coded else ())))
+    if not cache.paired:  # the segments checked their own arrays
+        return
+    coord, pair, member = cache.layer.coordinator, cache.layer.group_id, \
+        cache.layer.member_idx
+    store = coord.store(pair)
+    n_merged, published, consumed = coord.counters(pair)
+    for part in (store.keys, store.values):
+        if part.direction is not None and \
+                isinstance(part.direction, q.Quantized) != coded:
+            raise ValueError(f"saved merged directions do not match the option "
+                             f"bits={cache.code_bits}")
+        idx = part.retained_idx  # gathered from: positions must lie in the merged run
+        if idx is not None and idx.size and (idx.dtype != mx.int32 or not (
+                0 <= mx.min(idx).item() and mx.max(idx).item() < n_merged)):
+            raise ValueError(f"saved retained positions ({idx.dtype}) are not int32 "
+                             f"positions below the {n_merged} merged tokens")
+    held = n_merged + store.n_pending(member)
+    if not published == consumed == cache.offset or held != cache.offset:
+        raise ValueError(f"pair counters (merged {n_merged}, published {published}, "
+                         f"consumed {consumed}) and {held} tokens held do not match "
+                         f"the offset {cache.offset}")
+
+
 @register
 class MiniCacheCache(StoredFormCache):
     """One layer's view of a MiniCache pair (or a plain cache outside the range)."""
@@ -155,6 +185,7 @@ class MiniCacheCache(StoredFormCache):
     method = "minicache"
     Options = MiniCacheOptions
     profile = Profile(
+        check_restored=_check_restored,
         family="merging (cross-layer)",
         paper="MiniCache, Liu et al., NeurIPS 2024 (arXiv 2405.14366)",
         stores="one SLERP direction per token per layer pair + magnitudes + retained tokens",
@@ -222,41 +253,12 @@ class MiniCacheCache(StoredFormCache):
         v.append(values)
         return keys, values
 
-    def check_state(self) -> None:
-        """The restored form against the options and the pair's counters
-        (``cache.restore_check``; its dense view checks the shapes after this)."""
-        coded = self.code_bits is not None
-        # Floats everywhere but the codes (uint32) and the retained positions (int32).
-        require_dtypes("saved arrays", [a for _, a in flat_state(self.state)],
-                       (*FLOATS, mx.int32, *((mx.uint32,) if coded else ())))
-        if not self.paired:  # the segments checked their own arrays
-            return
-        coord, pair, member = self.layer.coordinator, self.layer.group_id, \
-            self.layer.member_idx
-        store = coord.store(pair)
-        n_merged, published, consumed = coord.counters(pair)
-        for part in (store.keys, store.values):
-            if part.direction is not None and \
-                    isinstance(part.direction, q.Quantized) != coded:
-                raise ValueError(f"saved merged directions do not match the option "
-                                 f"bits={self.code_bits}")
-            idx = part.retained_idx  # gathered from: positions must lie in the merged run
-            if idx is not None and idx.size and (idx.dtype != mx.int32 or not (
-                    0 <= mx.min(idx).item() and mx.max(idx).item() < n_merged)):
-                raise ValueError(f"saved retained positions ({idx.dtype}) are not int32 "
-                                 f"positions below the {n_merged} merged tokens")
-        held = n_merged + store.n_pending(member)
-        if not published == consumed == self.offset or held != self.offset:
-            raise ValueError(f"pair counters (merged {n_merged}, published {published}, "
-                             f"consumed {consumed}) and {held} tokens held do not match "
-                             f"the offset {self.offset}")
-
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
-        keys, values = self.dense_kv(queries.dtype)
+        keys, values = self.keys_and_values(queries.dtype)
         return sdpa(queries, keys, values, scale, mask)
 
     @classmethod
-    def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
+    def _attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
                     ) -> mx.array | None:
         # A batch's rows attend one by one, each over its own dense view (``attend``).
         return None

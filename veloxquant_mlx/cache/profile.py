@@ -17,6 +17,8 @@ from typing import Any
 
 from mlx_lm.models.cache import KVCache
 
+from veloxquant_mlx.cache.step_cost import dense_flops
+
 
 def _never(opts: Any) -> bool:
     return False
@@ -58,6 +60,14 @@ def _nothing(*args: Any) -> None:
 
 def _held(cache: Any) -> list[Any]:
     return cache.held_arrays()
+
+
+def _no_check(cache: Any) -> None:
+    return None
+
+
+def _by_numerics(cache: Any, keep: int) -> int | None:
+    return None
 
 
 def _plain_numerics(config: Any, layer: Any) -> Any:
@@ -130,6 +140,15 @@ class Profile:
     step_arrays: Callable[[Any], list[Any]] = _says(
         _held, "`(cache)`: what a step's output must depend on: what the cache holds, "
                "and for a cross-layer cache what its step changed in the group")
+    decode_flops: Callable[[Any], int] = _says(
+        dense_flops, "`(cache)`: FLOPs of one decode query's attention (bench's "
+                          "roofline): dense attention's over what it attends by default")
+    check_restored: Callable[[Any], None] = _says(
+        _no_check, "`(cache)`: checks restored arrays kept outside its stored segments "
+                   "(`cache/restore_check.py`)")
+    reusable_prefix: Callable[[Any, int], int | None] = _says(
+        _by_numerics, "`(cache, keep)`: longest exact cut `<= keep` the server may reuse; "
+                      "None: as `stored_numerics` says")
     replicated: Callable[[Any, int, int], str | None] = _says(
         _per_head, "`(opts, kv_width, hidden)`: what every tensor-parallel rank holds "
                    "whole")

@@ -13,8 +13,8 @@ method, with no evaluation of any array (shapes only, from lazily built graphs):
    integer dtypes that the segment's own encoder gives for zeros of
    ``[batch, heads, tokens, head dim]`` (the tokens read from the array itself), so the
    config's bits and group size, the layer's heads and widths are all checked at once;
-3. the method's own ``check_state()`` where it has one (stores outside the segments);
-4. its dense view (``dense_kv``, built lazily, never evaluated): ``[batch, heads, n,
+3. the method's profile's ``check_restored`` where it declares one (stores outside the segments);
+4. its dense view (``keys_and_values``, built lazily, never evaluated): ``[batch, heads, n,
    head dim]`` with ``n == offset`` (``n <= offset`` for caches that evict or ring).
 """
 
@@ -131,7 +131,7 @@ def check_form(form: StoredForm, batch: int, heads: int, dims: tuple[int, int]) 
             name = f"{index}.{j}" if isinstance(entry, tuple) else str(index)
             what = f"state entry {name} ({side} {s.kind} segment)"
             if getattr(s, "checked_by_cache", False):
-                continue  # a share of a store kept across layers: ``check_state`` checks it
+                continue  # a share of a store kept across layers: its profile's ``check_restored`` checks it
             if any(e is not None for e in entries):
                 n = _tokens(s, entries, what)
                 check_arrays(what, entries, _template(s, batch, heads, dim, n))
@@ -153,13 +153,13 @@ def _check_basics(cache: Any) -> None:
 
 
 def _check_dense_view(cache: Any, ring: bool) -> None:
-    if type(cache).dense_kv is CompressedCache.dense_kv or cache.offset <= 0 \
+    if type(cache).keys_and_values is CompressedCache.keys_and_values or cache.offset <= 0 \
             or cache.profile.hooks_module:
         # No dense view (eviction), or one the layer's module computes (XQuant runs the
-        # module's own call, whose arguments a restore does not have): check_state.
+        # module's own call, whose arguments a restore does not have): ``check_restored``.
         return
     try:
-        k, v = cache.dense_kv()
+        k, v = cache.keys_and_values()
     except (ValueError, IndexError, TypeError) as exc:
         raise ValueError(f"the saved arrays do not rebuild keys and values ({exc})") from None
     layer = cache.layer
@@ -198,5 +198,5 @@ def check_restored(cache: Any) -> None:
         check_restored(inner)
         _check_ring(cache, inner)
     if isinstance(cache, CompressedCache):
-        cache.check_state()
+        type(cache).profile.check_restored(cache)
     _check_dense_view(cache, ring=inner is not None)

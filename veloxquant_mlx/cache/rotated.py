@@ -12,9 +12,9 @@ looks at the class (cross-layer roles and links, sliding-window rings, saved cac
 batches) sees the method itself; the subclass only:
 
 - rotates keys and values before the method stores them (``update_and_fetch``, and
-  ``incoming``, which a batch computes once for its rows);
+  ``_incoming``, which a batch computes once for its rows);
 - rotates the queries the same way and the attention output back (``attend``);
-- rotates a dense reconstruction back (``dense_kv``), except while the method's own
+- rotates a dense reconstruction back (``keys_and_values``), except while the method's own
   ``attend`` reads it (MiniCache attends over its reconstruction);
 - declares the rotation once per model: one seeded matrix per head width, shared by every
   layer of the process, held by the first layer's cache (``after_build``), a flag that
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.base import LAYER_RESTORERS, CompressedCache, LayerInfo
+from veloxquant_mlx.cache.base import LAYER_RESTORERS, CompressedCache, LayerInfo, restore_saved
 from veloxquant_mlx.ops.rotation import shared_rotation
 
 if TYPE_CHECKING:
@@ -67,23 +67,23 @@ class RotatedMixin:
         self.owns_rotation = False
         self._raw = False  # inside the method's own attend: its reconstruction stays rotated
 
-    def constants(self) -> list[mx.array]:
-        return [self.rot_k, self.rot_v, *super().constants()]
+    def _constants(self) -> list[mx.array]:
+        return [self.rot_k, self.rot_v, *super()._constants()]
 
     def _method_turns(self) -> bool:
-        """Whether the method has an ``incoming`` hook of its own."""
-        return super().incoming.__func__ is not CompressedCache.incoming
+        """Whether the method has an ``_incoming`` hook of its own."""
+        return super()._incoming.__func__ is not CompressedCache._incoming
 
-    def incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def _incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The chunk rotated, then what the method makes of it alike (a batch computes
         this once for all its rows)."""
         k, v = _turn(keys, self.rot_k), _turn(values, self.rot_v)
-        return super().incoming(k, v) if self._method_turns() else (k, v)
+        return super()._incoming(k, v) if self._method_turns() else (k, v)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array,
                          incoming: tuple[mx.array, mx.array] | None = None
                          ) -> tuple[mx.array, mx.array]:
-        turned = incoming or self.incoming(keys, values)
+        turned = incoming or self._incoming(keys, values)
         if self._method_turns():  # it stores ``turned``; ``keys`` for shape and dtype
             return super().update_and_fetch(keys, values, incoming=turned)
         return super().update_and_fetch(*turned)
@@ -97,14 +97,14 @@ class RotatedMixin:
         return _turn(out, self.rot_v.T)
 
     @classmethod
-    def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
+    def _attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
                     ) -> mx.array | None:
         first = rows[0]
-        out = super().attend_rows(rows, _turn(queries, first.rot_k), scale)
+        out = super()._attend_rows(rows, _turn(queries, first.rot_k), scale)
         return None if out is None else _turn(out, first.rot_v.T)
 
     def _dense_back(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
-        keys, values = super().dense_kv(dtype)
+        keys, values = super().keys_and_values(dtype)
         if self._raw:
             return keys, values
         return _turn(keys, self.rot_k.T), _turn(values, self.rot_v.T)
@@ -153,8 +153,8 @@ def rotated_class(cls: type) -> type:
         profile = dataclasses.replace(cls.profile, stores=f"{cls.profile.stores}; rotated "
                                       "per head", after_build=_declared_once(cls.profile))
         body: dict[str, Any] = {"__module__": __name__, "profile": profile}
-        if cls.dense_kv is not CompressedCache.dense_kv:  # only where the method has one
-            body["dense_kv"] = RotatedMixin._dense_back
+        if cls.keys_and_values is not CompressedCache.keys_and_values:  # only where the method has one
+            body["keys_and_values"] = RotatedMixin._dense_back
         name = f"Rotated{cls.__name__}"
         _CLASSES[cls] = type(name, (RotatedMixin, cls), body)
         globals()[name] = _CLASSES[cls]  # importable by name (pickle, saved class paths)
@@ -165,7 +165,7 @@ def _restore(method_cls: type, config: KVCacheConfig, layer: LayerInfo, state: A
              meta_state: tuple[str, ...]) -> CompressedCache | None:
     """A saved layer of a rotated config comes back rotated (rings included)."""
     if wants_rotation(config) and not getattr(method_cls, "rotated", False):
-        return rotated_class(method_cls).from_saved(config, layer, state, meta_state)
+        return restore_saved(rotated_class(method_cls), config, layer, state, meta_state)
     return None
 
 

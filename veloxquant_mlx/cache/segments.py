@@ -7,7 +7,7 @@ its ``state`` entries, how attention reads it (an ``ops.parts`` part), its dense
 how it drops tokens from its front (sliding rings) and from its end (trim), and how the
 same segment of several sequences lies side by side (batches). The cache base class
 (``CompressedCache``) derives ``held_arrays``, ``accounted_bytes``, ``state``,
-``attend``, ``dense_kv``, ``trim`` and ring drops from the form; a method only decides
+``attend``, ``keys_and_values``, ``trim`` and ring drops from the form; a method only decides
 which segment a new token goes to.
 
 Kinds: :class:`Dense` (a full-precision run: windows, sinks, residuals),
@@ -436,7 +436,7 @@ class StoredForm:
         keys, values = self.slots(packed)
         return slot_parts(keys), slot_parts(values)
 
-    def dense_kv(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    def keys_and_values(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         out = []
         for side in (self.keys, self.values):
             xs = [s.dense(dtype) for s in side if s.n]

@@ -135,17 +135,17 @@ class SlidingCache(CompressedCache):
         L = queries.shape[2]
         return self.inner.attend(queries, scale=scale, mask=self._held_mask(mask, L))
 
-    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+    def keys_and_values(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
         """What mlx_lm's ring returns after the last chunk: the ``W - 1`` tokens before
         it (fewer at the start) and the chunk itself."""
-        keys, values = self.inner.dense_kv(dtype)
+        keys, values = self.inner.keys_and_values(dtype)
         before = self.offset - self.last_chunk
         n = min(before, self.window - 1) + self.last_chunk
         return keys[:, :, -n:], values[:, :, -n:]
 
     def make_mask(self, N: int, return_array: bool = False,
                   window_size: int | None = None) -> Any:
-        # As mlx_lm's RotatingKVCache: a mask over what ``dense_kv`` will return.
+        # As mlx_lm's RotatingKVCache: a mask over what ``keys_and_values`` will return.
         if N == 1:
             return None
         window_size = window_size or self.window
@@ -182,7 +182,7 @@ class SlidingCache(CompressedCache):
     @classmethod
     def restore(cls, method_cls: type, config: KVCacheConfig, layer: LayerInfo,
                 state: Any, meta_state: tuple[str, ...]) -> SlidingCache:
-        """Rebuild a saved ring (``CompressedCache.from_saved`` dispatches here)."""
+        """Rebuild a saved ring (``base.restore_saved`` dispatches here)."""
         cache = cls(method_cls, config, layer)
         cache.meta_state = meta_state
         cache.state = state

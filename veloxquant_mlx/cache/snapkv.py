@@ -156,6 +156,23 @@ def _tune_grid(context: int) -> list[dict[str, Any]]:
     return grid
 
 
+def _decode_flops(cache: Any) -> int:
+    return dense_flops(cache, cache.offset - cache.evicted)
+
+
+def _check_restored(cache: Any) -> None:
+    """The restored queries against the layer, and the tokens held against the
+    offset (the segments are checked by ``cache.restore_check``)."""
+    if cache.obs.n:
+        B, Hq = cache.batch_size, cache.obs.x.shape[1]
+        check_arrays("observation-window queries", [cache.obs.x],
+                     [mx.zeros((B, Hq, cache.obs.n, cache.layer.head_dim), mx.float32)])
+    n = cache.stored.tokens()[0]
+    if n != cache.offset - cache.evicted:
+        raise ValueError(f"the saved arrays hold {n} tokens; offset {cache.offset} less "
+                         f"{cache.evicted} evicted is {cache.offset - cache.evicted}")
+
+
 @register
 class SnapKVCache(StoredFormCache):
     """Top-``capacity`` prompt tokens per KV head + the observation window + decode."""
@@ -163,6 +180,8 @@ class SnapKVCache(StoredFormCache):
     method = "snapkv"
     Options = SnapKVOptions
     profile = Profile(
+        check_restored=_check_restored,
+        decode_flops=_decode_flops,
         needs_rotation=kp.store_needs_rotation, curve_tags=kp.store_curve_tags,
         family="eviction",
         paper="SnapKV, Li et al., 2024 (arXiv 2404.14469)",
@@ -175,12 +194,12 @@ class SnapKVCache(StoredFormCache):
         lossless=dict(capacity=1000),
     )
     attends = True
-    meta_fields = ("offset", "batch_size", "window", "capacity", "kernel", "pooling",
-                   "compressed", "evicted", "kept")
-    meta_types = {"pooling": str, "compressed": lambda s: bool(int(s))}
+    meta_fields = {"offset": int, "batch_size": int, "window": int, "capacity": int,
+                   "kernel": int, "pooling": str, "compressed": lambda s: bool(int(s)),
+                   "evicted": int, "kept": int}
     # No dense view: a layer that attends by itself would never reach the eviction,
     # which runs at attention (the builder refuses such layers instead).
-    dense_kv = CompressedCache.dense_kv
+    keys_and_values = CompressedCache.keys_and_values
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -232,7 +251,7 @@ class SnapKVCache(StoredFormCache):
                 held.append(x)
         return keys, values
 
-    def commit(self) -> None:
+    def _commit(self) -> None:
         """Code the tokens of the last step (after it attended over them)."""
         if self.fresh is not None and self.fresh[0].n:
             for codes, fresh in zip(self.codes, self.fresh):
@@ -255,7 +274,7 @@ class SnapKVCache(StoredFormCache):
         return super().attend(queries, scale, "causal" if L > 1 else None)
 
     @classmethod
-    def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
+    def _attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
                     ) -> mx.array | None:
         return None  # row by row: a row's first decode step compresses it
 
@@ -305,21 +324,6 @@ class SnapKVCache(StoredFormCache):
                               "only its last {tail} tokens can be trimmed, not {n}: the "
                               "{pinned} prompt tokens before them were chosen per KV head "
                               "at compression and cannot be dropped by position")
-
-    def decode_flops(self) -> int:
-        return dense_flops(self, self.offset - self.evicted)
-
-    def check_state(self) -> None:
-        """The restored queries against the layer, and the tokens held against the
-        offset (the segments are checked by ``cache.restore_check``)."""
-        if self.obs.n:
-            B, Hq = self.batch_size, self.obs.x.shape[1]
-            check_arrays("observation-window queries", [self.obs.x],
-                         [mx.zeros((B, Hq, self.obs.n, self.layer.head_dim), mx.float32)])
-        n = self.stored.tokens()[0]
-        if n != self.offset - self.evicted:
-            raise ValueError(f"the saved arrays hold {n} tokens; offset {self.offset} less "
-                             f"{self.evicted} evicted is {self.offset - self.evicted}")
 
     @property
     def meta_state(self) -> tuple[str, ...]:

@@ -2,8 +2,8 @@
 
 Functions of a cache (its ``layer``, ``offset`` and ``batch_size``): the default cost is
 dense attention's over the tokens a query attends. A method that rebuilds keys or
-attends in a factor space, or that evicts, overrides ``decode_flops`` with what it does
-(``dense_flops`` over the tokens it keeps, or its own count).
+attends in a factor space, or that evicts, declares what it does as its profile's
+``decode_flops`` (``dense_flops`` over the tokens it keeps, or its own count).
 """
 
 from __future__ import annotations
@@ -36,3 +36,19 @@ def fp16_bytes(cache: Any) -> int:
     info = cache.layer
     width = info.n_kv_heads * (info.head_dim + info.v_head_dim)
     return max(cache.batch_size, 1) * window_tokens(cache) * width * 2
+
+
+def layer_stats(cache: Any) -> dict[str, Any]:
+    """One layer's cache: held, accounted and fp16-equivalent bytes, tokens, the ratio
+    and one decode query's FLOPs (what ``veloxquant bench`` and the server report)."""
+    held, fp16 = cache.nbytes, fp16_bytes(cache)
+    return {
+        "method": cache.method,
+        "layer": cache.layer.layer_idx,
+        "tokens": cache.offset,
+        "held_bytes": held,
+        "accounted_bytes": cache.accounted_bytes(),
+        "fp16_bytes": fp16,
+        "ratio": (held / fp16) if fp16 else 0.0,
+        "decode_flops": type(cache).profile.decode_flops(cache),
+    }

@@ -3,13 +3,13 @@
 A method that subclasses it builds its form in ``__init__`` (``self.stored``: key and
 value segments in token order, ``cache.segments``) and writes ``update_and_fetch``
 (which segment each new token goes to) and, if it codes tokens only after they were
-attended in full precision, ``commit``. Everything else comes from the form: held and
+attended in full precision, ``_commit``. Everything else comes from the form: held and
 accounted bytes, ``state`` (the form's state order is the saved layout), attention over
 the segments without a dense copy (on the engine ``ops.dispatch`` picks), the dense view for
 layers that attend by themselves, exact ``trim`` and ring drops of the oldest tokens.
 
 "Code the new tokens after they are attended" is one mechanism: ``attend`` runs over the
-form, then calls ``commit``; ``begin`` (the start of every ``update_and_fetch``) commits
+form, then calls ``_commit``; ``begin`` (the start of every ``update_and_fetch``) commits
 what a step that never attended left behind, so a layer that bypasses ``attend`` or a
 harness that only updates leaves the cache consistent.
 """
@@ -57,18 +57,18 @@ class StoredFormCache(CompressedCache):
         """What the cache holds beside its form (a rotation one layer declares)."""
         return []
 
-    def constants(self) -> list[mx.array]:
-        return [r for r in self.basis if r is not None] + super().constants()
+    def _constants(self) -> list[mx.array]:
+        return [r for r in self.basis if r is not None] + super()._constants()
 
     # ---- what a method writes ----
-    def commit(self) -> None:
+    def _commit(self) -> None:
         """Code what the last step attended in full precision (default: nothing)."""
 
     def begin(self, keys: mx.array, values: mx.array) -> None:
         """Start of ``update_and_fetch``: checks, the previous step's pending tokens
         committed, and the bookkeeping of the new chunk."""
         check_input(self, keys, values)
-        self.commit()
+        self._commit()
         self.batch_size = keys.shape[0]
         self.compute_dtype = keys.dtype
         self.offset += keys.shape[2]
@@ -114,14 +114,14 @@ class StoredFormCache(CompressedCache):
             blocked = not decodes_at_once(qr.shape[1], self.layer.n_kv_heads, qr.shape[2])
             out = attend_on_mlx(qr, _parts(keys, qr, blocked), _parts(values, qr, blocked),
                                 scale, mask)
-        self.commit()  # the new tokens were attended in full precision: code them now
+        self._commit()  # the new tokens were attended in full precision: code them now
         return self._turn_out(out, queries.dtype)
 
     def _label(self) -> str:
         return f"{type(self).__name__} layer {self.layer.layer_idx}"
 
     @classmethod
-    def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
+    def _attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
                     ) -> mx.array | None:
         """One attention call for one decode query per row (``cache.batch``): one fused
         op, or the rows' segments padded side by side (``ops.batch_parts``), as
@@ -147,16 +147,16 @@ class StoredFormCache(CompressedCache):
         if out is None:
             return None
         for r in rows:
-            r.commit()
+            r._commit()
         return first._turn_out(out, queries.dtype)
 
-    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+    def keys_and_values(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
         """Transient dense keys/values: every segment decoded, in token order (and
         turned back from the stored basis)."""
         dtype = dtype or self.compute_dtype
         if all(r is None for r in self.basis):
-            return self.stored.dense_kv(dtype)
-        k, v = self.stored.dense_kv(mx.float32)
+            return self.stored.keys_and_values(dtype)
+        k, v = self.stored.keys_and_values(mx.float32)
         k, v = ((x if r is None else x @ r.T).astype(dtype)
                 for x, r in zip((k, v), self.basis))
         return k, v
@@ -171,7 +171,7 @@ class StoredFormCache(CompressedCache):
             return super().trim(n)
         n = max(0, min(self.offset, n))
         if n:
-            self.commit()
+            self._commit()
             self.stored.trim(n)
             self.offset -= n
         return n
@@ -179,7 +179,7 @@ class StoredFormCache(CompressedCache):
     def drop_oldest(self, n: int) -> None:
         """Forget the ``n`` oldest tokens (a multiple of ``ring_alignment``): codes are
         sliced, never re-quantized (sliding-window rings, ``cache.sliding``)."""
-        self.commit()
+        self._commit()
         self.stored.drop_front(n)
         self.offset -= n
 

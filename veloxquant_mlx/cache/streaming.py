@@ -113,6 +113,19 @@ def _supports_layer(layer_cache: Any) -> bool:
     return plain_layer(layer_cache) or sliding_window_of(layer_cache) is not None
 
 
+def _decode_flops(cache: Any) -> int:
+    return dense_flops(cache, min(cache.offset, cache.sink + cache.window))
+
+
+def _check_restored(cache: Any) -> None:
+    """The tokens held against the saved offset (the segments are checked by
+    ``cache.restore_check``)."""
+    n = cache.stored.tokens()[0]
+    if n > cache.offset:
+        raise ValueError(f"the saved arrays hold {n} tokens, more than the saved offset "
+                         f"{cache.offset}")
+
+
 @register
 class StreamingCache(StoredFormCache):
     """Attention sinks + a sliding window of recent tokens (fixed size)."""
@@ -120,6 +133,8 @@ class StreamingCache(StoredFormCache):
     method = "streaming"
     Options = StreamingOptions
     profile = Profile(
+        check_restored=_check_restored,
+        decode_flops=_decode_flops,
         needs_rotation=kp.store_needs_rotation, curve_tags=kp.store_curve_tags,
         family="eviction",
         paper="StreamingLLM, Xiao et al., ICLR 2024 (arXiv 2309.17453)",
@@ -133,7 +148,7 @@ class StreamingCache(StoredFormCache):
         lossless=dict(window=1000),
     )
     attends = True
-    meta_fields = ("offset", "batch_size", "sink", "window")
+    meta_fields = {"offset": int, "batch_size": int, "sink": int, "window": int}
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -168,14 +183,6 @@ class StreamingCache(StoredFormCache):
                            [self.sinks[1], self.ring[1], self.fresh[1]],
                            state_order=[self.sinks, self.ring, self.fresh])
 
-    def check_state(self) -> None:
-        """The tokens held against the saved offset (the segments are checked by
-        ``cache.restore_check``)."""
-        n = self.stored.tokens()[0]
-        if n > self.offset:
-            raise ValueError(f"the saved arrays hold {n} tokens, more than the saved offset "
-                             f"{self.offset}")
-
     # ---- positions of the held tokens ----
     def _held_positions(self) -> mx.array:
         n = self.stored.tokens()[0]
@@ -187,14 +194,14 @@ class StreamingCache(StoredFormCache):
         return self.sinks[0].n if self.quantized else min(self.ring[0].n, self.sink)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.commit()  # a step that did not attend leaves its token uncoded
+        self._commit()  # a step that did not attend leaves its token uncoded
         start, L = self.offset, keys.shape[2]
         decode = L == 1 and self._n_sinks() == self.sink
         # A chunk (and a token among the sinks of a quantized store) attends over a band
         # of its own: the held tokens in time order, then the chunk as received.
         band = L > 1 or (self.quantized and not decode)
         positions = self._held_positions() if band else None
-        held = self.stored.dense_kv(keys.dtype) if band and self.stored.tokens()[0] \
+        held = self.stored.keys_and_values(keys.dtype) if band and self.stored.tokens()[0] \
             else (None, None)
         self.begin(keys, values)
         self._pending = None if not band else (
@@ -240,12 +247,12 @@ class StreamingCache(StoredFormCache):
                      for side in (keys, values))
 
     @classmethod
-    def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
+    def _attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
                     ) -> mx.array | None:
         return None  # row by row: each row's band is its own
 
     # ---- layers that attend by themselves (see adapter.mlx_lm) ----
-    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+    def keys_and_values(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
         """What the last chunk attends over, as ``attend`` would: sinks, the window
         before it and the chunk in time order (one token: everything held, any order);
         ``make_mask`` gives the matching band."""
@@ -254,12 +261,12 @@ class StreamingCache(StoredFormCache):
             keys, values = pending[0], pending[1]
             return (keys, values) if dtype is None else (keys.astype(dtype),
                                                          values.astype(dtype))
-        self.commit()  # the fresh token takes the oldest slot: every held token is visible
-        return super().dense_kv(dtype)
+        self._commit()  # the fresh token takes the oldest slot: every held token is visible
+        return super().keys_and_values(dtype)
 
     def make_mask(self, N: int, return_array: bool = False,
                   window_size: int | None = None) -> mx.array | None:
-        """The band over what ``dense_kv`` returns after a chunk of ``N`` (``attend``
+        """The band over what ``keys_and_values`` returns after a chunk of ``N`` (``attend``
         ignores the model's mask and builds the same band itself)."""
         if N == 1:
             return None
@@ -267,7 +274,7 @@ class StreamingCache(StoredFormCache):
                                     mx.arange(self.offset, self.offset + N)])
         return self.band_mask(positions, self.offset, N)
 
-    def commit(self) -> None:
+    def _commit(self) -> None:
         """Code the last decode step's token: over the oldest slot, or appended."""
         if self.quantized and self.fresh[0].n:
             for ring, fresh in zip(self.ring, self.fresh):
@@ -277,6 +284,3 @@ class StreamingCache(StoredFormCache):
     # ---- trimming ----
     def is_trimmable(self) -> bool:
         return self.offset <= self.sink + self.window
-
-    def decode_flops(self) -> int:
-        return dense_flops(self, min(self.offset, self.sink + self.window))

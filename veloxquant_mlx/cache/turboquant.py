@@ -188,7 +188,6 @@ class TurboQuantCache(StoredFormCache):
     )
     attends = True
     attend_dtype = mx.float32
-    meta_fields = ("offset", "batch_size")
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -235,7 +234,7 @@ class TurboQuantCache(StoredFormCache):
         return list({id(r): r for r in self.basis if r is not None}.values())
 
     # ---- storage ----
-    def incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def _incoming(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The chunk rotated and in the window dtype, as the sinks and window hold it."""
         wdt = window_dtype(self.config, mx.float32)
         x32 = [x.astype(mx.float32) for x in (keys, values)]
@@ -249,7 +248,7 @@ class TurboQuantCache(StoredFormCache):
         self.begin(keys, values)  # a step that did not attend leaves its tokens uncoded
         wdt = window_dtype(self.config, mx.float32)
         for sink, win, x in zip(self.sinks, self.window,
-                                incoming or self.incoming(keys, values)):
+                                incoming or self._incoming(keys, values)):
             if n_sink:  # owned copies: a kept slice would pin the whole chunk
                 sink.append(owned(x[:, :, :n_sink]))
                 x = owned(x[:, :, n_sink:]) if x.shape[2] > n_sink else x[:, :, :0]
@@ -258,7 +257,7 @@ class TurboQuantCache(StoredFormCache):
                 win.append(x)
         return keys, values
 
-    def commit(self) -> None:
+    def _commit(self) -> None:
         """Code the tokens that have left the window (after they were attended), whole
         blocks of them: coding one token per step cost a layer about 30 small MLX
         operations per step, the largest part of a batch step's overhead (measured)."""
@@ -278,7 +277,7 @@ class TurboQuantCache(StoredFormCache):
         holds (whole ``block`` s past ``window``), and a cut would code them at other
         steps than the declared numerics. It holds at most ``window + block - 1`` tokens
         after a commit, so the ring stays bounded all the same."""
-        self.commit()
+        self._commit()
         n = min(n, self.sinks[0].n + self.codes[0].n)
         if n > 0:
             self.stored.drop_front(n)

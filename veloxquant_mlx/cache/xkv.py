@@ -48,7 +48,7 @@ from veloxquant_mlx.cache.profile import Profile
 from veloxquant_mlx.cache.restore_check import FLOATS, flat_state, require_dtypes
 from veloxquant_mlx.cache.segments import Dense
 from veloxquant_mlx.cache.stored import StoredFormCache
-from veloxquant_mlx.cache.xkv_attention import FactorAttention
+from veloxquant_mlx.cache.xkv_attention import FactorAttention, factor_flops
 from veloxquant_mlx.cache.xkv_coordinator import XKVCoordinator
 from veloxquant_mlx.cache.xkv_groups import cka_groups, contiguous_groups, linear_cka
 from veloxquant_mlx.ops import factors as fr
@@ -153,6 +153,25 @@ def _assign_roles(layers: list[LayerInfo], config: KVCacheConfig, model: Any) ->
             info.coordinator = coordinator
 
 
+def _check_restored(cache: Any) -> None:
+    """Restored dtypes (``cache.restore_check``; the dense view checks the shapes):
+    windows and factors are floats, factor codes (``factor_bits``) uint32; keys and
+    values hold as many sink and window tokens."""
+    runs = [s.x for s in (*cache.sinks, *cache.windows)]
+    require_dtypes("windows", runs)
+    codes = (*FLOATS, mx.uint32) if cache.factor_bits is not None else FLOATS
+    require_dtypes("factors", [a for _, a in flat_state(cache.state)[4:]], codes)
+    for name, (k, v) in (("sink", cache.sinks), ("window", cache.windows)):
+        if k.n != v.n:
+            raise ValueError(f"{name} keys hold {k.n} tokens, values {v.n}")
+    if cache._saved_sink is not None and cache.n_sink != cache._saved_sink:
+        raise ValueError(f"{cache.n_sink} sink tokens held; the saved count is "
+                         f"{cache._saved_sink}")
+    starts = [start for start, _, _ in cache.bases]
+    if starts and (starts[0] != cache.n_sink or starts != sorted(set(starts))):
+        raise ValueError(f"bases start at {starts}, after {cache.n_sink} sink tokens")
+
+
 @register
 class XKVCache(FactorAttention, StoredFormCache):
     """One layer's share of a group's cross-layer SVDs, plus sinks and a window."""
@@ -160,6 +179,8 @@ class XKVCache(FactorAttention, StoredFormCache):
     method = "xkv"
     Options = XKVOptions
     profile = Profile(
+        decode_flops=factor_flops,
+        check_restored=_check_restored,
         family="low-rank (cross-layer)",
         paper="xKV, Chang et al., 2025 (arXiv 2503.18893)",
         stores="shared token factor per layer group + per-layer factors + fp sinks/window",
@@ -174,7 +195,7 @@ class XKVCache(FactorAttention, StoredFormCache):
         lossless=dict(group_layers=2, block=16, rank_k=16, rank_v=16, window=32),
     )
     attends = True
-    meta_fields = ("offset", "batch_size", "win_start", "n_sink")
+    meta_fields = {"offset": int, "batch_size": int, "win_start": int, "n_sink": int}
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -252,12 +273,12 @@ class XKVCache(FactorAttention, StoredFormCache):
         return [], []  # attended in factor space, not as slots
 
     @classmethod
-    def attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
+    def _attend_rows(cls, rows: list[Any], queries: mx.array, scale: float
                     ) -> mx.array | None:
         return None  # each row attends in factor space
 
     # ---- mlx_lm protocol ----
-    def commit(self) -> None:
+    def _commit(self) -> None:
         self._adopt()  # what the group's coordinator has finished moves to factors
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -425,23 +446,6 @@ class XKVCache(FactorAttention, StoredFormCache):
         return self._coordinator_arrays() + list(self.means.values())
 
     # ---- save / load ----
-    def check_state(self) -> None:
-        """Restored dtypes (``cache.restore_check``; the dense view checks the shapes):
-        windows and factors are floats, factor codes (``factor_bits``) uint32; keys and
-        values hold as many sink and window tokens."""
-        runs = [s.x for s in (*self.sinks, *self.windows)]
-        require_dtypes("windows", runs)
-        codes = (*FLOATS, mx.uint32) if self.factor_bits is not None else FLOATS
-        require_dtypes("factors", [a for _, a in flat_state(self.state)[4:]], codes)
-        for name, (k, v) in (("sink", self.sinks), ("window", self.windows)):
-            if k.n != v.n:
-                raise ValueError(f"{name} keys hold {k.n} tokens, values {v.n}")
-        if self._saved_sink is not None and self.n_sink != self._saved_sink:
-            raise ValueError(f"{self.n_sink} sink tokens held; the saved count is "
-                             f"{self._saved_sink}")
-        starts = [start for start, _, _ in self.bases]
-        if starts and (starts[0] != self.n_sink or starts != sorted(set(starts))):
-            raise ValueError(f"bases start at {starts}, after {self.n_sink} sink tokens")
 
     @property
     def meta_state(self) -> tuple[str, ...]:

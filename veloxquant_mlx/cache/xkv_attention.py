@@ -21,6 +21,24 @@ from veloxquant_mlx.ops.parts import DensePart, shared_by_heads, token_codes
 from veloxquant_mlx.ops.rope import tables as rope_tables
 
 
+def factor_flops(cache: Any) -> int:
+    """One query's attention as ``attend`` runs it: per basis, keys rebuilt from
+    their factors (``n r H D``, stored before RoPE) or scores in factor space
+    (``Hq (D r + r n)``); values always in factor space (``Hq (n r + r Dv)``);
+    sinks and window densely."""
+    info, hq = cache.layer, query_heads(cache)
+    hd, hv, total, factored = info.head_dim, info.v_head_dim, 0, 0
+    fk, fv = cache.factors["keys"], cache.factors["values"]
+    for j, _, n in fk.spans():
+        rk, rv = fk.bases[j].rank, fv.bases[j].rank
+        keys = (n * rk * info.n_kv_heads * hd + hq * n * hd if cache.pre_rope
+                else hq * (hd * rk + rk * n))
+        total += keys + hq * (n * rv + rv * hv)
+        factored += n
+    total += hq * (cache.offset - factored) * (hd + hv)
+    return 2 * max(cache.batch_size, 1) * total
+
+
 class FactorAttention:
     """Attention of an xKV layer; the cache supplies ``factors``, ``sinks``, ``windows``,
     ``layer``, ``offset``, ``pre_rope`` and ``_settle_group`` (run by the group's last
@@ -176,23 +194,6 @@ class FactorAttention:
             out = o if out is None else out + o
             i += n
         return out.reshape(B, Hq, L, -1).astype(queries.dtype)
-
-    def decode_flops(self) -> int:
-        """One query's attention as ``attend`` runs it: per basis, keys rebuilt from
-        their factors (``n r H D``, stored before RoPE) or scores in factor space
-        (``Hq (D r + r n)``); values always in factor space (``Hq (n r + r Dv)``);
-        sinks and window densely."""
-        info, hq = self.layer, query_heads(self)
-        hd, hv, total, factored = info.head_dim, info.v_head_dim, 0, 0
-        fk, fv = self.factors["keys"], self.factors["values"]
-        for j, _, n in fk.spans():
-            rk, rv = fk.bases[j].rank, fv.bases[j].rank
-            keys = (n * rk * info.n_kv_heads * hd + hq * n * hd if self.pre_rope
-                    else hq * (hd * rk + rk * n))
-            total += keys + hq * (n * rv + rv * hv)
-            factored += n
-        total += hq * (self.offset - factored) * (hd + hv)
-        return 2 * max(self.batch_size, 1) * total
 
 
 def factor_scores(qh: mx.array, a: mx.array, bh: mx.array, mh: mx.array) -> mx.array:

@@ -30,7 +30,7 @@ from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, check_budget, 
 from veloxquant_mlx.cache.layer_inputs import LayerInputCache, LayerInputForm
 from veloxquant_mlx.cache.numerics import StoredNumerics, dense_loss
 from veloxquant_mlx.cache.profile import Profile
-from veloxquant_mlx.cache.step_cost import query_heads
+from veloxquant_mlx.cache.step_cost import dense_flops, query_heads
 from veloxquant_mlx.cache.xquant_coordinator import XQuantCoordinator
 from veloxquant_mlx.cache.xquant_hook import install_x_hook, uninstall_x_hook, x_hook_installed
 from veloxquant_mlx.ops import quantize as q
@@ -134,6 +134,35 @@ def _form_field(name: str) -> property:
                     lambda self, v: setattr(self.stored, name, v))
 
 
+def _decode_flops(cache: Any) -> int:
+    """One query's attention as the X hook runs it: keys rebuilt from the stored
+    width ``w_k`` (``n w_k H D``), scores (``Hq n D``), values in the stored space
+    then through their factor (``Hq (n w_v + w_v Dv)``); the codes' decoding,
+    RoPE and (XQuant-CL) the deltas' sums are element-wise, not counted."""
+    if not cache.widths:
+        return dense_flops(cache)
+    info, hq, n = cache.layer, query_heads(cache), cache.offset
+    wk, wv = cache.widths[0], cache.widths[-1]
+    total = (n * wk * info.n_kv_heads * info.head_dim + hq * n * info.head_dim
+             + hq * (n * wv + wv * info.v_head_dim))
+    return 2 * max(cache.batch_size, 1) * total
+
+
+def _check_restored(cache: Any) -> None:
+    """The restored codes and window against the stored widths (known once the hook
+    bound this layer) and the offset (``cache.restore_check``: shapes only)."""
+    cache.stored.check(cache.batch_size, cache.widths, cache.offset)
+
+
+def _reusable_prefix(cache: Any, keep: int) -> int:
+    """The longest prefix ``<= keep`` that, trimmed to, this cache holds as a fresh
+    prefill of it would (server reuse, ``apps.prompt_reuse``): any, as each token's
+    codes are its own, unless a window coded tokens a fresh prefill would hold."""
+    if keep >= cache.offset or cache.window == 0 or cache.offset <= cache.window:
+        return keep
+    return 0
+
+
 @register
 class XQuantCache(LayerInputCache):
     """Quantized X (or its K/V latents) per token, plus an optional fp window."""
@@ -141,6 +170,9 @@ class XQuantCache(LayerInputCache):
     method = "xquant"
     Options = XQuantOptions
     profile = Profile(
+        reusable_prefix=_reusable_prefix,
+        check_restored=_check_restored,
+        decode_flops=_decode_flops,
         family="quantization (rematerialize)",
         paper="XQuant, Tomar et al., 2025 (arXiv 2508.10395)",
         stores="quantized attention input X; K and V rematerialized",
@@ -153,8 +185,8 @@ class XQuantCache(LayerInputCache):
         lossless=dict(bits=8, group_size=32),
         tune_grid=_tune_grid,
     )
-    meta_fields = ("offset", "batch_size", "n_bits", "group_size", "window", "widths")
-    meta_types = {"widths": lambda s: tuple(int(w) for w in s.split(",") if w)}
+    meta_fields = {"offset": int, "batch_size": int, "n_bits": int, "group_size": int,
+                   "window": int, "widths": lambda s: tuple(int(w) for w in s.split(",") if w)}
 
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
@@ -218,7 +250,7 @@ class XQuantCache(LayerInputCache):
         self.stored.append(proj.encode(x))
         return earlier
 
-    def dense_kv(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+    def keys_and_values(self, dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
         """Transient K/V of every held token, rematerialized through the layer's own
         path (models whose other layers read this layer's keys and values)."""
         if self.proj is None or not self.offset:
@@ -226,36 +258,10 @@ class XQuantCache(LayerInputCache):
                                "installed")
         return self.proj.rematerialize(self.stored.dense(mx.float32), dtype or mx.float32)
 
-    def decode_flops(self) -> int:
-        """One query's attention as the X hook runs it: keys rebuilt from the stored
-        width ``w_k`` (``n w_k H D``), scores (``Hq n D``), values in the stored space
-        then through their factor (``Hq (n w_v + w_v Dv)``); the codes' decoding,
-        RoPE and (XQuant-CL) the deltas' sums are element-wise, not counted."""
-        if not self.widths:
-            return super().decode_flops()
-        info, hq, n = self.layer, query_heads(self), self.offset
-        wk, wv = self.widths[0], self.widths[-1]
-        total = (n * wk * info.n_kv_heads * info.head_dim + hq * n * info.head_dim
-                 + hq * (n * wv + wv * info.v_head_dim))
-        return 2 * max(self.batch_size, 1) * total
-
     # ---- storage ----
     def shared_arrays(self) -> list[mx.array]:
         """What the X hook keeps on the model for this layer (projection factors)."""
         return [] if self.proj is None else self.proj.kept_arrays()
-
-    def check_state(self) -> None:
-        """The restored codes and window against the stored widths (known once the hook
-        bound this layer) and the offset (``cache.restore_check``: shapes only)."""
-        self.stored.check(self.batch_size, self.widths, self.offset)
-
-    def reusable_prefix(self, keep: int) -> int:
-        """The longest prefix ``<= keep`` that, trimmed to, this cache holds as a fresh
-        prefill of it would (server reuse, ``apps.prompt_reuse``): any, as each token's
-        codes are its own, unless a window coded tokens a fresh prefill would hold."""
-        if keep >= self.offset or self.window == 0 or self.offset <= self.window:
-            return keep
-        return 0
 
 
 def _cl_replicated(opts: Any, kv_width: int, hidden: int) -> str | None:
@@ -317,7 +323,7 @@ class XQuantCLCache(XQuantCache):
 
     # Cross-layer deltas: a layer's input exists only while the model runs through
     # every layer, so nothing else can read its keys (the base class refuses).
-    dense_kv = CompressedCache.dense_kv
+    keys_and_values = CompressedCache.keys_and_values
 
     def update_x(self, x: mx.array, residual: mx.array | None, proj: Any,
                  joined: bool = True) -> Any:

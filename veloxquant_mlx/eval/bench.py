@@ -347,7 +347,7 @@ def _layer_attention(c: Any, q: mx.array) -> mx.array:
     """One layer's decode attention alone: the cache's own, or mlx_lm's dense kernel."""
     if getattr(c, "attends", False):
         return c.attend(q, q.shape[-1] ** -0.5, None)
-    k, v = c.dense_kv()
+    k, v = c.keys_and_values()
     return sdpa(q, k, v, q.shape[-1] ** -0.5)
 
 
@@ -386,7 +386,7 @@ def _profile_round(model: nn.Module, caches: list[Any], token: mx.array,
     out["codes_ms"] = sum(_timed(lambda c=c: _layer_codes(c)) for c in caches)
     if not getattr(caches[0], "attends", False):  # dense keys through the shared kernel
         out["shared_ms"] = _timed(lambda: [
-            split_attention(q, [c.dense_kv()], q.shape[-1] ** -0.5)
+            split_attention(q, [c.keys_and_values()], q.shape[-1] ** -0.5)
             for c, q in zip(caches, queries)])
     return {**{k: v * 1e3 for k, v in out.items()}, "step_peak_mib": peak / 2**20}
 

@@ -10,7 +10,7 @@ A short calibration pass on the user's text (a few hundred tokens):
    quantization error).
 2. **Distortion.** Each layer's captured keys and values go through one cache of the
    method per width (``knob`` value: ``k_bits``, ``v_bits`` or ``bits``), and the real
-   reconstruction error ``d`` (``dense_kv``, rotated back where the method rotates) is
+   reconstruction error ``d`` (``keys_and_values``, rotated back where the method rotates) is
    weighed: ``cost(layer, knob, value) = sum F d^2`` over that knob's stream(s). No
    assumption about the error's distribution, sinks and windows the method keeps in
    full precision included.
@@ -142,7 +142,7 @@ def knob_costs(ladder: Ladder, info: LayerInfo, kv: tuple[mx.array, mx.array],
         costs = []
         for value in values:
             cfg = ladder.config(**{**ladder.top(), knob: value})
-            back = _through_cache(cfg, info, *kv).dense_kv(mx.float32)
+            back = _through_cache(cfg, info, *kv).keys_and_values(mx.float32)
             cost = sum(((b - x) ** 2 * w).sum() for s, b, x, w in
                        zip(("keys", "values"), back, kv, f) if s in streams)
             costs.append(float(cost.item()))

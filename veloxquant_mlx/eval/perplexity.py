@@ -260,7 +260,7 @@ def _rel_error(approx: mx.array, ref: mx.array) -> float:
 
 
 def _dense_of(cache: Any) -> tuple[mx.array, mx.array] | None:
-    for name in ("dense_kv", "reconstruct"):
+    for name in ("keys_and_values", "reconstruct"):
         fn = getattr(cache, name, None)
         if callable(fn):
             return fn()
@@ -270,7 +270,7 @@ def _dense_of(cache: Any) -> tuple[mx.array, mx.array] | None:
 def reconstruction_errors(ref_caches: list[Any], caches: list[Any]) -> list[dict[str, Any]]:
     """Per-layer relative Frobenius error of keys and values against dense caches.
 
-    Only layers whose cache exposes ``dense_kv()`` or ``reconstruct()``. The reference
+    Only layers whose cache exposes ``keys_and_values()`` or ``reconstruct()``. The reference
     is the dense cache of the same tokens, so deeper layers also carry the error that
     earlier layers' compression propagated into their inputs.
     """
