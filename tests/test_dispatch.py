@@ -203,3 +203,18 @@ def test_the_logger_at_debug_reports_without_the_variable(
         attention.attend_parts(mx.zeros((B, 3 * H, 1, D)), keys, values, 0.125,
                                label="probe")
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["probe: parts"]
+
+
+def test_a_cache_that_declines_the_fused_op_is_logged_as_its_own_engine(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """xKV before it has factored a token attends in its own ops: the log says so, not
+    "fused" (which the table alone would pick for a float32 decode on the CPU)."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    caches = KVCacheBuilder.for_model(model, small_config("xkv"))
+    with caplog.at_level(logging.DEBUG, logger=dispatch.log.name):
+        mx.eval(model(mx.array([[1, 2, 3, 4, 5]]), cache=caches))
+        mx.eval(model(mx.array([[6]]), cache=caches))
+    KVCacheBuilder.detach(model)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("factors:")]
+    assert said and all(m.startswith("factors: factor (the cache declines the fused op: "
+                                     "no factored tokens yet)") for m in said), said

@@ -344,7 +344,7 @@ def test_trim_waits_for_the_group_to_finish_its_pass(model):
     k = mx.random.normal((1, 2, 32, 32))
     leader.update_and_fetch(k, k)  # publishes a step the member has not yet
     assert leader.pending and not leader.is_trimmable()
-    with pytest.raises(NotTrimmableError):
+    with pytest.raises(NotTrimmableError, match="unfinished forward pass"):
         leader.trim(1)
     member.update_and_fetch(k, k)
     assert leader.is_trimmable() and leader.trim(1) == 1 and not leader.pending

@@ -179,9 +179,9 @@ class CompressedCache(_BaseCache, ABC):
         return False
 
     def trim(self, n: int) -> int:
-        raise NotTrimmableError(
-            f"{type(self).__name__} ({self.method!r}) is not trimmable: its compressed "
-            "form cannot drop tokens from the end")
+        raise NotTrimmableError(f"{type(self).__name__} ({self.method!r}) of layer "
+                                f"{self.layer.layer_idx} is not trimmable: "
+                                f"{type(self).profile.trim_refusal(self)}")
 
     @classmethod
     def merge(cls, caches: list[Any]) -> Any:

@@ -66,6 +66,10 @@ def _no_check(cache: Any) -> None:
     return None
 
 
+def _from_the_end(cache: Any) -> str:
+    return "its compressed form cannot drop tokens from the end"
+
+
 def _by_numerics(cache: Any, keep: int) -> int | None:
     return None
 
@@ -146,6 +150,8 @@ class Profile:
     check_restored: Callable[[Any], None] = _says(
         _no_check, "`(cache)`: checks restored arrays kept outside its stored segments "
                    "(`cache/restore_check.py`)")
+    trim_refusal: Callable[[Any], str] = _says(
+        _from_the_end, "`(cache)`: why `trim` refuses now, in words (`NotTrimmableError`)")
     reusable_prefix: Callable[[Any, int], int | None] = _says(
         _by_numerics, "`(cache, keep)`: longest exact cut `<= keep` the server may reuse; "
                       "None: as `stored_numerics` says")

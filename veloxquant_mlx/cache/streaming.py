@@ -126,6 +126,11 @@ def _check_restored(cache: Any) -> None:
                          f"{cache.offset}")
 
 
+def _trim_refusal(cache: Any) -> str:
+    return (f"it evicted the tokens between its {cache.sink} sinks and its {cache.window}-token "
+            f"window ({cache.offset} seen), so the positions a trim would bring back are gone")
+
+
 @register
 class StreamingCache(StoredFormCache):
     """Attention sinks + a sliding window of recent tokens (fixed size)."""
@@ -133,6 +138,7 @@ class StreamingCache(StoredFormCache):
     method = "streaming"
     Options = StreamingOptions
     profile = Profile(
+        trim_refusal=_trim_refusal,
         check_restored=_check_restored,
         decode_flops=_decode_flops,
         needs_rotation=kp.store_needs_rotation, curve_tags=kp.store_curve_tags,

@@ -172,6 +172,11 @@ def _check_restored(cache: Any) -> None:
         raise ValueError(f"bases start at {starts}, after {cache.n_sink} sink tokens")
 
 
+def _trim_refusal(cache: Any) -> str:
+    return ("tokens of an unfinished forward pass wait for the other layers of their group; "
+            "finish the pass (evaluate the model's output) before trimming")
+
+
 @register
 class XKVCache(FactorAttention, StoredFormCache):
     """One layer's share of a group's cross-layer SVDs, plus sinks and a window."""
@@ -179,6 +184,7 @@ class XKVCache(FactorAttention, StoredFormCache):
     method = "xkv"
     Options = XKVOptions
     profile = Profile(
+        trim_refusal=_trim_refusal,
         decode_flops=factor_flops,
         check_restored=_check_restored,
         family="low-rank (cross-layer)",

@@ -97,8 +97,9 @@ class FactorAttention:
         run (then MLX's ops)."""
         B, Hq, L, hd = queries.shape
         H, hv = self.layer.n_kv_heads, self.layer.v_head_dim
-        causal = dispatch.fused_causal(queries, mask, H, self.offset)
-        if causal is None or not self.factors["keys"].bases:
+        declined = None if self.factors["keys"].bases else "no factored tokens yet"
+        causal = dispatch.fused_causal(queries, mask, H, self.offset, declined=declined)
+        if causal is None:
             return None
         qh = (queries * scale).reshape(B, H, Hq // H * L, hd)
         qs, keys, values, factors = [qh], [], [], []

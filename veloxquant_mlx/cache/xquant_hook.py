@@ -271,8 +271,10 @@ class XProjection:
         B, Hq, L, D = queries.shape
         H = self.n_kv_heads
         rows = [shared_by_heads(parts[-1], H) for _, parts in segments]
-        causal = dispatch.fused_causal(queries, mask, H, sum(v.n for v in rows))
-        if causal is None or not self.factored_pays(Hq * L):
+        declined = None if self.factored_pays(Hq * L) else "the values' factor costs less first"
+        causal = dispatch.fused_causal(queries, mask, H, sum(v.n for v in rows),
+                                       declined=declined)
+        if causal is None:
             return None
         key_parts = [self._key_part(start, parts, B) for start, parts in segments]
         factor, bias = self._per_head(self._value_factor(), self.bv, B)

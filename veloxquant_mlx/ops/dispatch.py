@@ -157,10 +157,15 @@ def route(queries: mx.array, parts: str, mask: Any, heads: int, n_keys: int,
 
 # ---- the fused extension's only callers
 def fused_causal(queries: mx.array, mask: Any, heads: int, n_keys: int,
-                 label: str = "factors") -> int | None:
+                 label: str = "factors", declined: str | None = None) -> int | None:
     """The fused op's ``causal`` for ``queries`` ``[B, Hq, L, D]`` in factor space (low-rank
     caches) over ``n_keys`` keys of ``heads`` KV heads, where the table picks the op; None
-    where it picks the cache's own factor-space ops."""
+    where it picks the cache's own factor-space ops, or where the cache ``declined`` the
+    op (why, in words: the log names the factor engine and the reason)."""
+    if declined is not None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: %s (the cache declines the fused op: %s)", label, FACTOR, declined)
+        return None
     if route(queries, "factors", mask, heads, n_keys, label=label) != FUSED:
         return None
     return native.causal_for(queries, mask, heads, n_keys)
