@@ -156,3 +156,24 @@ def test_eval_reports_the_peak_beside_mlx_lm() -> None:
     assert peak[spec]["retained_bytes"] < peak["mlx_lm:dense"]["retained_bytes"] / 4
     assert all(r["peak_bytes"] >= r["retained_bytes"] > 0 for r in peak.values())
     assert "| mlx_lm:dense | 64 |" in eval_markdown(rec)
+
+
+def test_fit_reaches_a_flat_working_set_s_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peak that climbs over the short probes (one prompt step holds the whole prompt)
+    and then stays flat: the search must not creep a step at a time from the probes'
+    line; it verifies the cap within a handful of runs."""
+    from veloxquant_mlx.eval import fit
+
+    step_tokens, seen = 2048, []
+
+    def fake(model: Any, source: Any, tokens: Any, decode: int, prefill: int) -> dict:
+        n = len(tokens)
+        seen.append(n)
+        peak = 60_000 * min(n, step_tokens) + 20 * n  # bytes: steep, then nearly flat
+        return {"peak_bytes": peak, "retained_bytes": 20 * n, "seconds": 0.0}
+
+    monkeypatch.setattr(fit, "measure_user_path", fake)
+    row = fit.fit_method(None, list(range(32768)), None, 256 << 20, 256,
+                         prefill_step=step_tokens)
+    assert row["cap_reached"] and row["context"] == 32768
+    assert len(seen) <= 8, seen

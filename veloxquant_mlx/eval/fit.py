@@ -56,7 +56,9 @@ def _next(lo: tuple[int, int] | None, hi: tuple[int, int] | None, budget: int,
     if hi is None:
         a, b = fit
         guess = cap if b <= 0 else int((budget - a) / b)
-        return min(cap, max(lo[0] + step, guess // step * step))
+        # At least a quarter further: a line through short runs can stall the search.
+        least = lo[0] + max(step, lo[0] // 4 // step * step)
+        return min(cap, max(least, guess // step * step))
     frac = (budget - lo[1]) / max(hi[1] - lo[1], 1)
     guess = int(lo[0] + frac * (hi[0] - lo[0])) // step * step
     return min(hi[0] - step, max(lo[0] + step, guess))
@@ -80,8 +82,8 @@ def fit_method(model: nn.Module, tokens: Sequence[int], source: CacheSource, bud
 
     for c in sorted({min(p, cap) for p in probes}):
         run(c)
-    fit = line_fit([(c, r["peak_bytes"]) for c, r in runs.items()])
     for _ in range(MAX_RUNS):
+        fit = _line(runs, prefill_step)
         fits = [c for c, r in runs.items() if r["peak_bytes"] <= budget]
         misses = [c for c, r in runs.items() if r["peak_bytes"] > budget and
                   (not fits or c > max(fits))]
@@ -91,7 +93,14 @@ def fit_method(model: nn.Module, tokens: Sequence[int], source: CacheSource, bud
                 (not lo and hi[0] <= 1):
             break
         run(_next(lo, hi, budget, fit, step, cap))
-    return _result(runs, budget, cap, fit)
+    return _result(runs, budget, cap, _line(runs, prefill_step))
+
+
+def _line(runs: dict[int, dict[str, Any]], prefill_step: int) -> tuple[float, float]:
+    """The peak's line through the runs of at least one prompt step (below it the whole
+    prompt is one step and the working set grows with it), or through all of them."""
+    long = [(c, r["peak_bytes"]) for c, r in runs.items() if c >= prefill_step]
+    return line_fit(long if len(long) >= 2 else [(c, r["peak_bytes"]) for c, r in runs.items()])
 
 
 def _result(runs: dict[int, dict[str, Any]], budget: int, cap: int,
