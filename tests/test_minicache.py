@@ -491,3 +491,77 @@ def test_tune_grid_spans_the_compression_range(model):
     # The merge alone keeps about 0.8 of fp16 (plus the float16 windows of 64-127 tokens,
     # a large share of 200); with 2-bit codes on every layer about a third of that.
     assert min(ratios) < 0.3 and max(ratios) > 0.8, ratios
+
+
+# ---------------------------------------------------------------- attention in ranges
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_merged_range_holds_the_whole_rebuild_s_values(bits):
+    """A token range of a merged run, rebuilt alone, is that range of the whole rebuild
+    bit for bit: retained tokens inside it put back, those outside it nowhere."""
+    from veloxquant_mlx.cache.merged import MergedRun
+
+    c = MiniCacheCoordinator(retention=0.25, window=0, bits=bits, group_size=32)
+    (k0, v0), (k1, v1) = rand_kv(24, 1), rand_kv(24, 2)
+    c.publish(0, 0, k0, v0)
+    c.consume(0, 1, 0, k1, v1)
+    store = c.store(0)
+    assert store.n_retained() == (6, 6)
+    for m in (0, 1):
+        whole = c.reconstruct(0, m, mx.float32)
+        for side, part in enumerate((store.keys, store.values)):
+            run = MergedRun(part.direction, part.magnitude[m], part.retained[m],
+                            part.retained_idx)
+            for a, b in ((0, 24), (0, 5), (5, 17), (17, 24), (23, 24)):
+                assert mx.array_equal(run.read(a, b, mx.float32),
+                                      whole[side][:, :, a:b]).item(), (m, side, a, b)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_attention_reads_ranges_not_the_dense_view(model, bits, monkeypatch):
+    """On the library's engine (float32, CPU) every layer attends without its dense
+    view: a prompt chunk bit for bit as attention over that view, a decode step past
+    ``kernels.BLOCK`` tokens (read in blocks) within float32 rounding."""
+    from veloxquant_mlx.cache.stored import StoredFormCache
+    from veloxquant_mlx.ops.attention import sdpa
+    from veloxquant_mlx.ops.kernels import BLOCK, on_gpu
+
+    if on_gpu():
+        pytest.skip("on a GPU the dispatcher picks mx.fast over the dense view")
+    cfg = KVCacheConfig(method="minicache", bits=bits, window=4, retention_threshold=0.1)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    n = BLOCK + 100
+    tokens = mx.random.randint(0, 128, (1, n), key=mx.random.key(8))
+    for s in range(0, n, 512):
+        model(tokens[:, s:s + 512], cache=caches)
+    assert caches[3].layer.coordinator.store(caches[3].layer.group_id).n_retained()[0]
+    chunk = mx.random.normal((1, 4, 64, 32), key=mx.random.key(9))
+    step = mx.random.normal((1, 4, 1, 32), key=mx.random.key(10))
+    want = [[sdpa(q, *c.keys_and_values(mx.float32), 0.2, mask)
+             for q, mask in ((chunk, "causal"), (step, None))] for c in caches]
+    mx.eval(want)
+
+    def no_dense_view(*a, **k):
+        raise AssertionError("attention built the dense view")
+
+    monkeypatch.setattr(MiniCacheCoordinator, "reconstruct", no_dense_view)
+    monkeypatch.setattr(StoredFormCache, "keys_and_values", no_dense_view)
+    for c, (want_chunk, want_step) in zip(caches, want):
+        assert mx.array_equal(c.attend(chunk, 0.2, "causal"), want_chunk).item()
+        assert mx.allclose(c.attend(step, 0.2), want_step, rtol=1e-5, atol=1e-6).item()
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_merged_pairs_working_set_does_not_grow(bits):
+    """On mlx_lm's own path, a model whose layers are all paired keeps the prompt's
+    working set flat from 1024 to 4096 tokens (a dense view of every layer grew it by
+    13 MiB here), within the decode blocks' growth and the allocator's noise."""
+    from veloxquant_mlx.adapter.retained import measure_user_path
+    from veloxquant_mlx.ops.kernels import BLOCK
+
+    model = tiny_model("llama", head_dim=64, num_hidden_layers=2)
+    cfg = KVCacheConfig(method="minicache", start_layer=0, window=8, bits=bits)
+    tokens = [(i * 37 + 11) % 120 + 1 for i in range(4096)]
+    work = [measure_user_path(model, cfg, tokens[:n], 2, 256)["working_bytes"]
+            for n in (1024, 4096)]
+    decode_growth = 4 * 2 * (BLOCK - 1024) * 2 * 2 * 64  # two layers' decode blocks
+    assert work[1] - work[0] <= decode_growth + (1 << 20), [w / 2**20 for w in work]

@@ -13,14 +13,16 @@ dense ``KVCache`` (its score rows span the whole context) fails the same check.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from conftest import small_config
 
 from veloxquant_mlx.adapter.retained import MLX_LM_CACHES, measure_user_path
-from veloxquant_mlx.memory import prompt_working_bound
+from veloxquant_mlx.memory import held_prompt_bytes, prompt_working_bound
 from veloxquant_mlx.ops.kernels import BLOCK
+from veloxquant_mlx.registry import methods
 from veloxquant_mlx.testing.tiny import tiny_model
 
 STEP = 256  # the prompt step: fixed, as a user's prefill_step_size is
@@ -28,17 +30,6 @@ SHORT, LONG = 1024, 4096
 DECODE = 2
 NOISE = 1 << 20  # allocator readings of one run against another: within a MiB
 TOKENS = [(i * 37 + 11) % 120 + 1 for i in range(LONG)]
-
-# Methods whose working set grows with the context today (measured on this model, MiB
-# at 1024 / 4096 tokens; the cause is for each cache's owner to find): strict, so a fix
-# shows, and only on the check's own failure.
-GROWS = {
-    "minicache": "working set grows: 26.6 / 37.1",
-    "snapkv": "working set grows: 28.1 / 45.4",
-    "xkv": "working set grows: 20.7 / 58.9",
-    "xquant": "working set grows: 28.0 / 39.3",
-    "xquant_cl": "working set grows: 28.0 / 42.2",
-}
 
 
 @pytest.fixture(scope="module")
@@ -67,27 +58,36 @@ def growth_allowance(model: Any) -> int:
     return 4 * a.num_hidden_layers * tokens * a.num_key_value_heads * 2 * a.head_dim
 
 
-def check_working_set(model: Any, source: Any, own: int) -> list[str]:
+def held_prompt(model: Any, holds: bool) -> Callable[[int], int]:
+    """What a method that keeps the prompt until it ends may add at ``n`` tokens."""
+    a = model.args
+    return lambda n: held_prompt_bytes(n, a.num_key_value_heads, a.head_dim, a.head_dim,
+                                       a.num_hidden_layers) if holds else 0
+
+
+def check_working_set(model: Any, source: Any, own: int,
+                      held: Callable[[int], int] | None = None
+                      ) -> list[str]:
     """What is wrong with ``source``'s working sets at the two contexts (empty: none)."""
+    held = held or (lambda n: 0)
     work = {n: measure_user_path(model, source, TOKENS[:n], DECODE, STEP)["working_bytes"]
             for n in (SHORT, LONG)}
-    limit, mib = own + bound(model), 2**20
-    faults = [f"{n} tokens: working set {w / mib:.2f} MiB over the bound {limit / mib:.2f}"
-              for n, w in work.items() if w > limit]
-    if work[LONG] - work[SHORT] > growth_allowance(model) + NOISE:
+    mib, allowed = 2**20, growth_allowance(model) + held(LONG) - held(SHORT)
+    faults = [f"{n} tokens: working set {w / mib:.2f} MiB over the bound "
+              f"{(own + bound(model) + held(n)) / mib:.2f}"
+              for n, w in work.items() if w > own + bound(model) + held(n)]
+    if work[LONG] - work[SHORT] > allowed + NOISE:
         faults.append(f"grew {(work[LONG] - work[SHORT]) / mib:.2f} MiB from {SHORT} to "
-                      f"{LONG} tokens (allowed {growth_allowance(model) / mib:.2f})")
+                      f"{LONG} tokens (allowed {allowed / mib:.2f})")
     return faults
 
 
-def test_working_set_does_not_grow(model: Any, own_need: int, method: str,
-                                   request: pytest.FixtureRequest) -> None:
+def test_working_set_does_not_grow(model: Any, own_need: int, method: str) -> None:
     if method == "none":
         pytest.skip("the dense reference: test_the_dense_reference_is_mlx_lm_s_cache")
-    if method in GROWS:
-        request.applymarker(pytest.mark.xfail(reason=GROWS[method], strict=True,
-                                                  raises=AssertionError))
-    assert check_working_set(model, small_config(method), own_need) == []
+    holds = methods()[method].profile.holds_prompt
+    assert check_working_set(model, small_config(method), own_need,
+                             held_prompt(model, holds)) == []
 
 
 def test_the_dense_reference_is_mlx_lm_s_cache(model: Any) -> None:

@@ -191,6 +191,34 @@ def test_attend_matches_dense_kernel(model, pre_rope):
     assert all(mx.allclose(a, b, atol=1e-4).item() for a, b in zip(c.keys_and_values(), (k, v)))
 
 
+@pytest.mark.parametrize("pre_rope,bits", [(True, None), (False, 4)])
+def test_prompt_chunk_attends_in_key_blocks(model, pre_rope, bits, monkeypatch):
+    """A prompt chunk attends in key blocks (blocks cut inside both bases), with no
+    score row over every held token, and equals the dense kernel over keys and values
+    rebuilt by hand."""
+    from veloxquant_mlx.cache import xkv_attention
+    from veloxquant_mlx.ops.attention import _key_block
+
+    tokens = _tokens(1, n=2 * REFIT + 40)
+    caches = KVCacheBuilder.for_model(model, _cfg(block=REFIT, rank_k=12, rank_v=12,
+                                                  pre_rope=pre_rope, sink=3,
+                                                  factor_bits=bits))
+    _run(model, caches, tokens, 2 * REFIT + 40, chunk=64)
+    c = caches[1]
+    assert [b[0] for b in c.bases] == [3, 3 + REFIT] and c.windows[0].n
+    L = 512  # 2 * 2 * 512 query rows: blocks of 256 keys over 552, cut in both bases
+    assert 3 < _key_block(4 * L) < 3 + REFIT < 2 * _key_block(4 * L) < c.win_start
+
+    def whole_rows(*a, **k):
+        raise AssertionError("a prompt chunk built a score row over every held token")
+
+    monkeypatch.setattr(xkv_attention, "masked_softmax", whole_rows)
+    k, v = _manual_kv(c)
+    q = mx.random.normal((1, 4, L, 32))
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
+    assert mx.allclose(c.attend(q, 0.2, "causal"), ref, atol=1e-4).item()
+
+
 def test_low_rank_compresses_and_accounting_matches(model):
     tokens = _tokens(2, n=140)
     caches = KVCacheBuilder.for_model(model, _cfg(rank_k=8, rank_v=8,

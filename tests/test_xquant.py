@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from conftest import prefill, prefill_then_decode
 from mlx_lm.models.cache import make_prompt_cache
@@ -10,15 +11,20 @@ from mlx_lm.models.cache import make_prompt_cache
 from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
 from veloxquant_mlx.cache.layer_inputs import CrossLayerDeltas, LayerInputForm
 from veloxquant_mlx.cache.step_cost import layer_stats
-from veloxquant_mlx.cache.xquant import XQuantCache, XQuantCLCache
-from veloxquant_mlx.cache.xquant_coordinator import XQuantCoordinator
-from veloxquant_mlx.cache.xquant_hook import (
+from veloxquant_mlx.cache.xquant import (
+    XQuantCache,
+    XQuantCLCache,
     install_x_hook,
     uninstall_x_hook,
     x_hook_installed,
 )
+from veloxquant_mlx.cache.xquant_coordinator import XQuantCoordinator
+from veloxquant_mlx.cache.xquant_hook import _rope_run
 from veloxquant_mlx.config import ConfigError, KVCacheConfig
+from veloxquant_mlx.memory import transient_peak
+from veloxquant_mlx.ops import factors as fr
 from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops import rope
 from veloxquant_mlx.testing.tiny import tiny_model
 
 
@@ -350,6 +356,66 @@ def test_factored_values_match_rematerialized(model_type, latent):
     # Long prefill chunks rematerialize V (with one KV head the factor always pays).
     assert proj.factored_pays(H * 512) == latent
     uninstall_x_hook(model)
+
+
+# ---------------------------------------------------------------- prompt chunks in key blocks
+def _held(proj, n: int, chunk: int, window: int = 40) -> list:
+    """Segments of ``n`` coded tokens, a float window and a chunk's exact form."""
+    x = mx.random.normal((1, n + window + chunk, proj.in_dim), key=mx.random.key(n))
+    coded = [q.quantize(p, 4, 32) for p in proj.encode(x[:, :n])]
+    segments = [(0, coded), (n, proj.encode(x[:, n:n + window])),
+                (n + window, proj.encode(x[:, n + window:]))]
+    mx.eval([c.arrays for c in coded], segments[1:])
+    return segments
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_prompt_chunk_attends_in_key_blocks(latent):
+    """A prompt chunk over coded tokens, a window and itself runs the blocked path (the
+    values rebuilt, or in factor space where that pays) and matches attention over every
+    held token's rematerialized keys and values; its transient peak does not grow with
+    the held tokens: no key or value of all of them exists at once."""
+    model = tiny_model("llama", **({"num_key_value_heads": 1} if latent else {}))
+    attn = model.layers[1].self_attn
+    proj = hook(model, latent=latent)[1]
+    assert proj.latent == latent
+    L, H, D = 256, attn.n_heads, 128 // attn.n_heads
+    queries = mx.random.normal((1, H, L, D), key=mx.random.key(3))
+    segments = _held(proj, 700, L)
+    assert proj._in_blocks(queries, segments)
+    assert proj.factored_pays(H * L) == latent
+    dense = [(s, [fr.load_rows(p) for p in parts]) for s, parts in segments]
+    keys = mx.concatenate([rope.apply(attn.rope, proj.keys(p), s) for s, p in dense], axis=2)
+    values = mx.concatenate([proj.values(p) for _, p in dense], axis=2)
+    ref = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.2,
+                                               mask="causal")
+    out = proj.attend(queries, segments, 0.2, "causal")
+    assert mx.allclose(out, ref, atol=2e-5).item()
+    peaks = {}
+    for n in (1024, 4096):
+        held = _held(proj, n, L)
+        peaks[n] = transient_peak(lambda h=held: proj.attend(queries, h, 0.2, "causal"))
+    # One float32 copy of the extra tokens' keys is more than the blocks may grow by.
+    assert peaks[4096] - peaks[1024] < 4 * 3072 * attn.n_kv_heads * D, peaks
+    uninstall_x_hook(model)
+
+
+@pytest.mark.parametrize("n", [40, 300, 1000])
+def test_blocks_are_rotated_as_the_whole_segment(n):
+    """Keys rotated a block at a time are bit for bit those rotated over the whole
+    segment: RoPE's path and its grid of angles depend on a run's length and start,
+    and the run rotated for a block is chosen to match (a block rotated on its own is
+    not, past 64 tokens)."""
+    module = nn.RoPE(32, base=10000)
+    k = mx.random.normal((1, 2, n, 32), key=mx.random.key(n))
+    whole = rope.apply(module, k, 17)
+    for a, b in [(0, 5), (3, 70), (100, 130), (n - 7, n), (512, 1000)]:
+        if b > n:
+            continue
+        lo, hi = _rope_run(a, b, n)
+        assert lo <= a and b <= hi <= n
+        block = rope.apply(module, k[:, :, lo:hi], 17 + lo)[:, :, a - lo:b - lo]
+        assert mx.array_equal(block, whole[:, :, a:b]).item(), (a, b)
 
 
 def test_no_transient_is_left_behind(llama):

@@ -70,3 +70,13 @@ def prompt_working_bound(prefill_step: int, heads: int, kv_heads: int, head_dim:
     kb = _key_block(rows)
     width = kv_heads * (head_dim + v_head_dim)
     return 4 * (SCORE_BLOCKS * rows * kb + kb * width + layers * BLOCK * width)
+
+
+def held_prompt_bytes(tokens: int, kv_heads: int, head_dim: int, v_head_dim: int,
+                      layers: int, itemsize: int = 2) -> int:
+    """Bytes a method that keeps the whole prompt until its first decode step (its
+    profile's ``holds_prompt``: SnapKV scores the prompt's end before it evicts) adds to
+    the prompt's working set: every layer's keys and values in the window dtype, with a
+    growing buffer's spare slots (1/32), and one layer's buffer copied while it grows."""
+    per_layer = tokens * kv_heads * (head_dim + v_head_dim) * itemsize
+    return int(per_layer * (layers * 33 / 32 + 1))

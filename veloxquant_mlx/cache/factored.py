@@ -214,9 +214,25 @@ class Factored(Segment):
         """Basis ``j``'s ``n`` tokens as float32 [b, H, n, hd] (a transient); keys stored
         before RoPE rotated to their positions unless not ``rotated``. ``cached``: the
         rows decoded once per forward pass (attention), not just for this call."""
-        bh, mh = self.bases[j].heads(self.heads)
         rows = self.rows.decoded(j) if cached else fr.load_rows(self.rows.rows[j])
-        a = rows[..., :n, :]
+        return self._rebuild(j, rows[..., :n, :], start, rotated)
+
+    def block(self, j: int, lo: int, hi: int) -> mx.array:
+        """Basis ``j``'s tokens ``lo:hi`` (counted from its start) as float32
+        [b, H, hi - lo, hd], rotated to their positions when stored before RoPE, decoded
+        from their own rows only: a block of the prompt path, whatever the context."""
+        rows = self.rows.rows[j]
+        if isinstance(rows, q.Quantized):
+            rows = q.Quantized(*(a[..., lo:hi, :] for a in rows.arrays), rows.bits,
+                               rows.group_size)
+        else:
+            rows = rows[..., lo:hi, :]
+        return self._rebuild(j, fr.load_rows(rows), self.bases[j].start + lo, True)
+
+    def _rebuild(self, j: int, a: mx.array, start: int, rotated: bool) -> mx.array:
+        """``a @ B + m`` of basis ``j`` per head for token factor rows ``a`` [b, n, r]
+        of positions ``start ..``; keys stored before RoPE rotated unless not ``rotated``."""
+        bh, mh = self.bases[j].heads(self.heads)
         if self.side == "value":
             return a[:, None] @ bh + mh
         # One matmul for every head: a batch of one per head ran at half its speed.

@@ -15,11 +15,13 @@ values: the attention input X, or its two K/V latents. Each of these is a *part*
 window) and says what the X hook reads of the earlier tokens. :class:`LayerInputCache`
 derives ``held_arrays``, ``accounted_bytes``, ``state`` and ``trim`` from it; the saved
 ``state`` is every part's codes (codes, scales, biases), then every part's window.
+``rows_of`` reads a run of tokens of any stored form (XQuant-CL's earlier tokens as
+:class:`Normalized`, normalized where read), for attention a key block at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -314,6 +316,44 @@ class LayerInputForm:
             s.keep(max(keep - self.n_coded, 0))
         for s in self.codes:
             s.keep(min(keep, s.n))
+
+
+# ---- what the X hook reads a block of tokens at a time
+class Normalized:
+    """The first ``n`` rows of a reconstruction ``[B, S, w]`` through a layer's input
+    norm, normalized where they are read (XQuant-CL's earlier tokens): the blocked
+    attention normalizes a block at a time (the norm is per row)."""
+
+    def __init__(self, h: mx.array, n: int, norm: Callable[[mx.array], mx.array]) -> None:
+        self.h, self.n, self.norm = h, n, norm
+        self._last: tuple[int, int, mx.array] | None = None
+
+    def rows(self, a: int, b: int) -> mx.array:
+        # The keys and then the values read each block: normalized once for both.
+        if self._last is None or self._last[:2] != (a, b):
+            self._last = (a, b, self.norm(self.h[:, a:b]))
+        return self._last[2]
+
+
+def whole(part: Any) -> Any:
+    """A stored form as an array or codes (a :class:`Normalized` one normalized whole)."""
+    return part.rows(0, part.n) if isinstance(part, Normalized) else part
+
+
+def rows_count(part: Any) -> int:
+    """Tokens held in a stored form ``[B, n, w]`` (floats, codes or :class:`Normalized`)."""
+    return part.n if isinstance(part, Normalized) else fr.rows_count(part)
+
+
+def rows_of(part: Any, a: int, b: int) -> Any:
+    """Tokens ``a:b`` of a stored form ``[B, n, w]`` (views; normalized rows computed)."""
+    if isinstance(part, Normalized):
+        return part.rows(a, b)
+    if (a, b) == (0, rows_count(part)):
+        return part
+    if isinstance(part, q.Quantized):
+        return q.Quantized(*(x[:, a:b] for x in part.arrays), part.bits, part.group_size)
+    return part[:, a:b]
 
 
 class LayerInputCache(CompressedCache):

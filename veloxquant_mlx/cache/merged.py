@@ -7,17 +7,97 @@ merged tokens then window, in token order. The store is cut by absolute position
 four sides of a pair (two layers, keys and values) each ask for the same cut and the
 first one makes it, the whole pair at once or not at all; a side counts its own tokens
 so that the later asks see what their layer held.
+
+Attention reads a side as parts (:meth:`PairSide.parts`): the merged run as a
+:class:`RangePart` that rebuilds only the token range a key block asks for, then the
+window as it is held, so a prompt chunk builds no dense copy of the whole context.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
 from veloxquant_mlx.cache.segments import Segment
-from veloxquant_mlx.ops.parts import Slot
+from veloxquant_mlx.ops import quantize as q
+from veloxquant_mlx.ops.parts import DensePart, Part, Slot
+
+Read = Callable[[int, int, mx.Dtype], mx.array]
+
+
+class RangePart:
+    """Stored tokens that attention reads as floats one token range at a time (an
+    ``ops.parts`` part): ``read(start, stop, dtype)`` builds only that range. The
+    products decode the whole part: callers hand the decode path blocks, not this."""
+
+    def __init__(self, n: int, heads: int, read: Read) -> None:
+        self.n, self.heads, self.read = n, heads, read
+
+    def dense(self, start: int, stop: int, dtype: mx.Dtype) -> mx.array:
+        return self.read(start, stop, dtype)
+
+    def key_scores(self, qr: mx.array) -> mx.array:
+        return qr @ self.read(0, self.n, qr.dtype).swapaxes(-1, -2)
+
+    def value_product(self, p: mx.array) -> mx.array:
+        return p @ self.read(0, self.n, p.dtype)
+
+    def floats(self) -> list[mx.array]:
+        return []
+
+    def stored(self) -> None:
+        return None
+
+
+def codes_range(qt: q.Quantized, start: int, stop: int, dtype: mx.Dtype) -> mx.array:
+    """Tokens ``start:stop`` (axis 2) of per-token codes, dequantized as a whole
+    dequantize gives them."""
+    return q.dequantize(q.Quantized(*(a[:, :, start:stop] for a in qt.arrays), qt.bits,
+                                    qt.group_size), dtype)
+
+
+@dataclass(frozen=True)
+class MergedRun:
+    """One member's merged tokens of one side: the pair's direction ``[B, H, N, D]``
+    (floats or codes), the member's magnitudes ``[B, H, N]``, its retained vectors
+    ``[B, H, R, D]`` and their positions ``[B, H, R]`` (``None``: nothing retained)."""
+
+    direction: mx.array | q.Quantized
+    magnitude: mx.array
+    retained: mx.array | None
+    positions: mx.array | None
+
+    def tied(self, after: mx.array) -> MergedRun:
+        """The same run, its arrays read only once ``after`` exists."""
+        d = self.direction
+        codes = d.arrays if isinstance(d, q.Quantized) else [d]
+        kept = [] if self.positions is None else [self.retained, self.positions]
+        tied = mx.depends([*codes, self.magnitude, *kept], [after])
+        k = len(codes)
+        d = q.Quantized(*tied[:k], d.bits, d.group_size) if isinstance(d, q.Quantized) \
+            else tied[0]
+        return MergedRun(d, tied[k], *(tied[k + 1:] or (None, None)))
+
+    def read(self, start: int, stop: int, dtype: mx.Dtype) -> mx.array:
+        """Tokens ``start:stop`` with the float operations of the coordinator's whole
+        rebuild (every value the same): magnitude times direction, retained put back."""
+        d = self.direction
+        d = codes_range(d, start, stop, dtype) if isinstance(d, q.Quantized) else \
+            d[:, :, start:stop].astype(dtype)
+        x = self.magnitude[..., start:stop].astype(dtype)[..., None] * d
+        idx = self.positions
+        if idx is None:
+            return x
+        # Retained positions outside the range all land on one spare row, dropped after.
+        n, (B, H, _, D) = stop - start, x.shape
+        at = mx.where((idx >= start) & (idx < stop), idx - start, n)
+        x = mx.concatenate([x, mx.zeros((B, H, 1, D), dtype)], axis=2)
+        x = mx.put_along_axis(x, mx.broadcast_to(at[..., None], (*at.shape, D)),
+                              self.retained.astype(dtype), axis=2)
+        return x[:, :, :n]
 
 
 class PairSide(Segment):
@@ -62,6 +142,22 @@ class PairSide(Segment):
     def dense(self, dtype: mx.Dtype) -> mx.array:
         return self.coord.side_dense(self.pair_id, self.member, self.index, dtype)
 
+    def parts(self, after: mx.array) -> list[Part]:
+        """The merged run, then the window, as attention parts; their arrays are read
+        only once ``after`` (the layer's queries) exists, so MLX rebuilds no block of
+        this layer ahead of its place in the step."""
+        store = self.coord.store(self.pair_id)
+        part, m = (store.keys, store.values)[self.index], self.member
+        window = store.pending[m]
+        out: list[Part] = []
+        if store.n_merged:
+            run = MergedRun(part.direction, part.magnitude[m], part.retained[m],
+                            part.retained_idx).tied(after)
+            out.append(RangePart(store.n_merged, run.magnitude.shape[1], run.read))
+        if window is not None:
+            out.append(DensePart(mx.depends([window[self.index]], [after])[0]))
+        return out
+
     def drop_front(self, n: int) -> None:
         raise NotImplementedError("a merged pair cannot drop its oldest tokens")
 
@@ -80,3 +176,4 @@ class PairSide(Segment):
         if self.index:
             self.coord.load_window(self.pair_id, self.member, entries[1])
         self.seen = None
+

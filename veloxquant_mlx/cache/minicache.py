@@ -11,6 +11,12 @@ range (and a last unpaired layer) keep float16 keys/values, or affine codes when
 option ``bits`` is set. Saved prompt caches round-trip: each layer saves its own share
 of the pair's store (``state``) and, on load, refills it into the fresh coordinator
 that ``assign_roles`` injected.
+
+Attention reads the stored form a range of tokens at a time (``cache.merged``): a prompt
+chunk's key blocks rebuild only their own tokens and a decode step reads blocks of at
+most ``kernels.BLOCK`` tokens, so no dense copy of the context is built. Where
+``ops.dispatch`` picks MLX's fused kernel (a GPU, half precision, a decode over few
+keys) that kernel reads the dense view.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from veloxquant_mlx.cache.base import DTYPES, LayerInfo
-from veloxquant_mlx.cache.merged import PairSide
+from veloxquant_mlx.cache.merged import PairSide, RangePart, codes_range
 from veloxquant_mlx.cache.minicache_coordinator import MiniCacheCoordinator
 from veloxquant_mlx.cache.numerics import StoredNumerics, dense_loss
 from veloxquant_mlx.cache.profile import Profile
@@ -29,8 +35,11 @@ from veloxquant_mlx.cache.restore_check import FLOATS, flat_state, require_dtype
 from veloxquant_mlx.cache.segment_kinds import ExactCodes
 from veloxquant_mlx.cache.segments import Dense, StoredForm
 from veloxquant_mlx.cache.stored import StoredFormCache
+from veloxquant_mlx.ops import dispatch
 from veloxquant_mlx.ops import quantize as q
-from veloxquant_mlx.ops.attention import sdpa
+from veloxquant_mlx.ops.attention import attend_on_mlx, decodes_at_once, fit_mask, sdpa
+from veloxquant_mlx.ops.kernels import BLOCK, on_gpu
+from veloxquant_mlx.ops.parts import DensePart, Part
 from veloxquant_mlx.options import MethodOptions, config_error
 from veloxquant_mlx.register import register
 
@@ -178,6 +187,24 @@ def _check_restored(cache: Any) -> None:
                          f"the offset {cache.offset}")
 
 
+def _range(parts: list[Part], start: int, stop: int, dtype: mx.Dtype) -> mx.array:
+    """Tokens ``start:stop`` across consecutive parts, as one array of ``dtype``."""
+    pieces, at = [], 0
+    for p in parts:
+        lo, hi = max(start, at), min(stop, at + p.n)
+        if lo < hi:
+            pieces.append(p.dense(lo - at, hi - at, dtype))
+        at += p.n
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+
+
+def _blocks(parts: list[Part], dtype: mx.Dtype) -> list[Part]:
+    """The parts as dense blocks of at most ``BLOCK`` tokens, what a decode step
+    decodes at once (up to ``BLOCK`` tokens: one block, the dense view)."""
+    S = sum(p.n for p in parts)
+    return [DensePart(_range(parts, a, min(S, a + BLOCK), dtype)) for a in range(0, S, BLOCK)]
+
+
 @register
 class MiniCacheCache(StoredFormCache):
     """One layer's view of a MiniCache pair (or a plain cache outside the range)."""
@@ -254,8 +281,35 @@ class MiniCacheCache(StoredFormCache):
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any = None) -> mx.array:
-        keys, values = self.keys_and_values(queries.dtype)
-        return sdpa(queries, keys, values, scale, mask)
+        """Attention as over the dense view, on the engine ``ops.dispatch`` picks for
+        dense arrays; the library's engine reads the stored form in ranges instead."""
+        L, heads = queries.shape[2], self.layer.n_kv_heads
+        S = self.stored.tokens()[0]
+        engine = dispatch.route(queries, "arrays", mask, heads, S, label=self._label(),
+                                gpu=on_gpu())
+        if engine != dispatch.PARTS:
+            keys, values = self.keys_and_values(queries.dtype)
+            return sdpa(queries, keys, values, scale, mask)
+        keys, values = (self._parts(side, queries) for side in (0, 1))
+        if decodes_at_once(queries.shape[1], heads, L):
+            keys, values = _blocks(keys, queries.dtype), _blocks(values, queries.dtype)
+        return attend_on_mlx(queries, keys, values, scale, fit_mask(mask, L, S))
+
+    def _parts(self, side: int, after: mx.array) -> list[Part]:
+        """One side's held tokens as parts read a range at a time, their arrays read
+        only once ``after`` (the queries) exists: MLX then decodes nothing of this
+        layer ahead of its place in the step."""
+        (seg,) = (self.stored.keys, self.stored.values)[side]
+        if isinstance(seg, PairSide):
+            return seg.parts(after)
+        if not seg.n:
+            return []
+        if isinstance(seg, Dense):
+            return [DensePart(mx.depends([seg.x], [after])[0])]
+        qt = seg.codes()
+        qt = q.Quantized(*mx.depends(qt.arrays, [after]), qt.bits, qt.group_size)
+        return [RangePart(seg.n, self.layer.n_kv_heads,
+                          lambda a, b, dt: codes_range(qt, a, b, dt))]
 
     @classmethod
     def _attend_rows(cls, rows: list[Any], queries: mx.array, scale: float

@@ -113,6 +113,9 @@ class Profile:
     ring_alignment: Callable[[Any], int] = _says(
         _one, "`(opts)`: the unit, in tokens, a ring drops in")
     hooks_module: bool = _says(False, "takes over its module's call with a hook of its own")
+    holds_prompt: bool = _says(False, "keeps the whole prompt until its first decode step: "
+                                      "its prompt working set grows by "
+                                      "`memory.held_prompt_bytes`")
     min_layers: int = _says(1, "fewest layers it compresses")
     batching: bool = _says(True, "per-sequence caches merge into mlx_lm batches")
     small: dict[str, Any] = _says(dict, "tests: options that compress a tiny model's "

@@ -16,7 +16,10 @@ prefill (only a ``[B, Hq, window, D]`` slice is kept) plus that step's query.
 Storage (a ``StoredForm``, ``cache.segments``): until compression, the keys and values
 in buffers with a small reserve (1/32 of the tokens held, counted) that decode steps
 write in place (``kept.DenseBuffer``), and the observation-window queries beside them;
-compression keeps the chosen tokens by a gather (``kept.keep_chosen``).
+compression scores one query head at a time (``window_votes``: its transient is one
+head's window scores, not every head's) and keeps the chosen tokens by a gather
+(``kept.keep_chosen``). The pending prompt is the method's own growth of the prompt's
+working set (docs/methods/snapkv.md, "Memory during the prompt").
 
 Stacked with quantization (``store="affine"`` or ``"codebook"``, ``cache.kept``): the
 prompt is held dense until compression, as above; then the first ``sink`` prompt tokens
@@ -44,7 +47,7 @@ from veloxquant_mlx.cache.restore_check import check_arrays
 from veloxquant_mlx.cache.segments import Dense
 from veloxquant_mlx.cache.step_cost import dense_flops
 from veloxquant_mlx.cache.stored import StoredFormCache
-from veloxquant_mlx.ops.attention import attention_weights
+from veloxquant_mlx.ops.attention import BLOCK_FLOATS, causal_mask, masked_softmax
 from veloxquant_mlx.ops.buffers import owned
 from veloxquant_mlx.options import MethodOptions
 from veloxquant_mlx.register import register
@@ -125,13 +128,49 @@ def select_tokens(weights: mx.array, n_kv_heads: int, capacity: int, kernel: int
 
     ``weights``: [B, Hq, W, P] attention of the W window queries on the P prefix tokens.
     """
-    B, Hq, _, P = weights.shape
-    votes = weights.sum(axis=2)  # [B, Hq, P]
+    return choose_tokens(weights.sum(axis=2), n_kv_heads, capacity, kernel, pooling)
+
+
+def choose_tokens(votes: mx.array, n_kv_heads: int, capacity: int, kernel: int,
+                  pooling: str) -> mx.array:
+    """:func:`select_tokens` from the window's summed attention ``votes`` [B, Hq, P]."""
+    B, Hq, P = votes.shape
     # GQA: a KV head serves Hq / Hkv query heads; they vote together (mean).
     votes = votes.reshape(B, n_kv_heads, Hq // n_kv_heads, P).mean(axis=2)
     votes = pool_scores(votes, kernel, pooling)
     idx = mx.argpartition(-votes, kth=capacity - 1, axis=-1)[..., :capacity]
     return mx.sort(idx, axis=-1)  # keep the prompt order
+
+
+def window_votes(obs: mx.array, keys: mx.array, scale: float, start: int,
+                 stop: int) -> mx.array:
+    """``attention_weights(obs, keys, scale, "causal")[..., start:stop].sum(axis=2)``
+    ([B, Hq, stop - start]), bit for bit, one query head at a time, each evaluated
+    before the next: the transient is one KV head's keys as floats and one head's window
+    scores, not every head's (rows are independent; the softmax takes the path the
+    whole score array would take)."""
+    B, Hq, W, D = obs.shape
+    Hkv, n = keys.shape[1], keys.shape[2]
+    whole = B * Hq * W * n > BLOCK_FLOATS  # masked_softmax's choice for all heads at once
+    out = []
+    for g in range(Hkv):
+        k = keys[:, g:g + 1].astype(mx.float32)[:, :, None].swapaxes(-1, -2)
+        for h in range(g * Hq // Hkv, (g + 1) * Hq // Hkv):
+            q = obs[:, h:h + 1].reshape(B, 1, 1, W, D).astype(mx.float32)
+            w = _window_softmax((q * scale) @ k, whole).reshape(B, 1, W, n)
+            out.append(w[..., start:stop].sum(axis=2))
+            mx.eval(out[-1])
+    return mx.concatenate(out, axis=1)
+
+
+def _window_softmax(scores: mx.array, whole: bool) -> mx.array:
+    """``masked_softmax(scores, "causal")`` as on the score array of every head: a large
+    one takes ``mx.softmax``, which a single head's smaller array would not."""
+    if not whole:
+        return masked_softmax(scores, "causal")
+    W, n = scores.shape[-2:]
+    masked = mx.where(causal_mask(W, n), scores, -mx.inf) if W > 1 else scores
+    return mx.softmax(masked, axis=-1, precise=True)
 
 
 def _stored_numerics(config: KVCacheConfig, layer: LayerInfo) -> StoredNumerics:
@@ -180,6 +219,7 @@ class SnapKVCache(StoredFormCache):
     method = "snapkv"
     Options = SnapKVOptions
     profile = Profile(
+        holds_prompt=True,
         check_restored=_check_restored,
         decode_flops=_decode_flops,
         needs_rotation=kp.store_needs_rotation, curve_tags=kp.store_curve_tags,
@@ -288,9 +328,9 @@ class SnapKVCache(StoredFormCache):
         prefix = keys.shape[2] - obs.shape[2]
         n_sink = max(0, min(self.sink, prefix))
         if prefix - n_sink > self.capacity:
-            weights = attention_weights(obs, keys, scale, "causal")  # [B, Hq, W, n]
-            idx = select_tokens(weights[..., n_sink:prefix], self.layer.n_kv_heads,
-                                self.capacity, self.kernel, self.pooling)
+            votes = window_votes(obs, keys, scale, n_sink, prefix)  # [B, Hq, P]
+            idx = choose_tokens(votes, self.layer.n_kv_heads, self.capacity, self.kernel,
+                                self.pooling)
             for held in self.held:
                 kp.keep_chosen(held, idx, n_sink, prefix)
             self.evicted = prefix - n_sink - self.capacity

@@ -206,9 +206,7 @@ class XKVCache(FactorAttention, StoredFormCache):
     def __init__(self, config: KVCacheConfig, layer: LayerInfo | None = None) -> None:
         super().__init__(config, layer)
         info, opts = self.layer, self.opts
-        self.block = opts.block
-        self.window = opts.window
-        self.sink = opts.sink
+        self.block, self.window, self.sink = opts.block, opts.window, opts.sink
         self.factor_bits = opts.factor_bits
         self.ranks = {"keys": opts.rank_k, "values": opts.rank_v}
         self.pre_rope = opts.pre_rope and info.rope_dims is not None
@@ -390,9 +388,8 @@ class XKVCache(FactorAttention, StoredFormCache):
                                                stream=stream)
             if got[stream] is None:
                 if stream == "values":
-                    raise RuntimeError(
-                        f"xkv layer {info.layer_idx}: key factor of tokens {start} "
-                        "ready without its value factor")
+                    raise RuntimeError(f"xkv layer {info.layer_idx}: key factor of tokens "
+                                       f"{start} ready without its value factor")
                 return None
         return got
 

@@ -3,7 +3,9 @@
 Values in factor space (``out = (p A) B_i + (sum p) m_i``); keys stored after RoPE also
 (``scores = (q B_i^T) A^T + q m_i``); keys stored before RoPE are rebuilt into a transient
 per basis and rotated for their positions. The fused CPU op (through ``ops.dispatch``)
-reads the token factors as codes where it can; MLX's ops run the rest.
+reads the token factors as codes where it can; MLX's ops run the rest, prompt chunks on
+the library's blocked path (keys and values rebuilt one key block at a time), so the
+prompt's working set does not grow with the context.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from veloxquant_mlx.cache.factored import Factored, per_head
 from veloxquant_mlx.cache.step_cost import query_heads
 from veloxquant_mlx.ops import dispatch, native
 from veloxquant_mlx.ops import quantize as q
-from veloxquant_mlx.ops.attention import masked_softmax
+from veloxquant_mlx.ops.attention import attend_on_mlx, decodes_at_once, masked_softmax
 from veloxquant_mlx.ops.parts import DensePart, shared_by_heads, token_codes
 from veloxquant_mlx.ops.rope import tables as rope_tables
 
@@ -156,12 +158,29 @@ class FactorAttention:
         return (native.Placed(rows, qoff=width, shift=qh @ mh.swapaxes(-1, -2)),
                 qh @ bh.swapaxes(-1, -2))
 
+    def _attend_blocked(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        """A prompt chunk's attention on the library's blocked path (``ops.attention``):
+        an online softmax over key blocks, each block's factored keys and values rebuilt
+        from their own rows, so no score row or rebuilt copy spans the context."""
+        (sk, sv), (wk, wv) = self.sinks, self.windows
+        keys, values = ([DensePart(sk.x)], [DensePart(sv.x)]) if sk.n else ([], [])
+        for j, _, n in self.factors["keys"].spans():
+            keys.append(FactorBlocks(self.factors["keys"], j, n))
+            values.append(FactorBlocks(self.factors["values"], j, n))
+        if wk.n:
+            keys.append(DensePart(wk.x))
+            values.append(DensePart(wv.x))
+        out = attend_on_mlx(queries.astype(mx.float32), keys, values, scale, mask)
+        return out.astype(queries.dtype)
+
     def _attend_ops(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        """The attention on MLX's ops (factor-space products, keys rebuilt per basis
-        when stored before RoPE)."""
+        """The attention on MLX's ops: decode steps in factor space (keys rebuilt per
+        basis when stored before RoPE), prompt chunks in key blocks."""
         info = self.layer
         B, Hq, L, hd = queries.shape
         H = info.n_kv_heads
+        if not decodes_at_once(Hq, H, L):
+            return self._attend_blocked(queries, scale, mask)
         qh = (queries.astype(mx.float32) * scale).reshape(B, H, Hq // H, L, hd)
         fk, fv = self.factors["keys"], self.factors["values"]
         (sk, sv), (wk, wv) = self.sinks, self.windows
@@ -216,3 +235,26 @@ def factor_values(p: mx.array, a: mx.array, bh: mx.array, mh: mx.array) -> mx.ar
     pa = p.reshape(B, H * rep * L, n) @ a  # [b, H*rep*L, r]
     out = pa.reshape(B, H, rep * L, -1) @ bh
     return out.reshape(B, H, rep, L, -1) + p.sum(axis=-1, keepdims=True) * mh[:, :, None]
+
+
+class FactorBlocks:
+    """Basis ``j``'s ``n`` tokens of one side as a part of ``ops.attention``'s blocked
+    path: each block of tokens is rebuilt from its own token factor rows."""
+
+    def __init__(self, side: Factored, j: int, n: int) -> None:
+        self.side, self.j, self.n, self.heads = side, j, n, side.heads
+
+    def dense(self, start: int, stop: int, dtype: mx.Dtype) -> mx.array:
+        return self.side.block(self.j, start, stop).astype(dtype)
+
+    def key_scores(self, q: mx.array) -> mx.array:
+        return q @ self.dense(0, self.n, q.dtype).swapaxes(-1, -2)
+
+    def value_product(self, p: mx.array) -> mx.array:
+        return p @ self.dense(0, self.n, p.dtype)
+
+    def floats(self) -> list[mx.array]:
+        return []
+
+    def stored(self) -> None:
+        return None

@@ -12,8 +12,9 @@ layer's quantization error is corrected by the next delta instead of piling up.
 It works on the residual stream (the block input before its norm), where layer-to-
 layer changes are small; each layer applies its own norm when it rematerializes.
 
-The attention itself runs in the X hook (``cache.xquant_hook``),
-which ``KVCacheBuilder.for_model`` installs through ``after_build``. The storage is a
+The attention itself runs in the X hook (``cache.xquant_hook``), which
+``KVCacheBuilder.for_model`` installs through ``after_build`` (``install_x_hook``, here:
+which class each layer's attention and input norm take). The storage is a
 ``cache.layer_inputs`` form: codes of the stored parts, a window, or (XQuant-CL) the
 cross-layer deltas; bytes, ``state`` and ``trim`` come from it.
 """
@@ -21,18 +22,23 @@ cross-layer deltas; bytes, ``state`` and ``trim`` come from it.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from veloxquant_mlx.cache.base import CompressedCache, LayerInfo, check_budget, window_dtype
-from veloxquant_mlx.cache.layer_inputs import LayerInputCache, LayerInputForm
+from veloxquant_mlx.cache.layer_inputs import LayerInputCache, LayerInputForm, Normalized
+from veloxquant_mlx.cache.module_call import hook_module, original_class, unhook_module
 from veloxquant_mlx.cache.numerics import StoredNumerics, dense_loss
 from veloxquant_mlx.cache.profile import Profile
 from veloxquant_mlx.cache.step_cost import dense_flops, query_heads
 from veloxquant_mlx.cache.xquant_coordinator import XQuantCoordinator
-from veloxquant_mlx.cache.xquant_hook import install_x_hook, uninstall_x_hook, x_hook_installed
+from veloxquant_mlx.cache.xquant_generic import X_HOOK, GenericXPath, x_generic_call
+from veloxquant_mlx.cache.xquant_hook import XProjection, x_attention_call, x_norm_call
+from veloxquant_mlx.errors import Refusal, UnsupportedModelError
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.options import MethodOptions, config_error
 from veloxquant_mlx.register import register
@@ -107,6 +113,124 @@ def _tune_grid(context: int) -> list[dict[str, Any]]:
     if context >= 1024:
         grid += [dict(bits=b, group_size=32, window=32) for b in (3, 2)]
     return grid
+
+
+# ---- installing the X hook: the attention and input-norm classes swapped per layer
+XQUANT_ATTENTION_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
+_NORM_NAMES = ("input_layernorm", "attention_norm", "ln_1", "norm1", "attn_norm",
+               "pre_attention_layernorm", "input_norm", "ln_attn", "norm_1", "attn_ln")
+
+
+def _input_norm(block: nn.Module | None, attn: nn.Module) -> nn.Module | None:
+    """The block's norm in front of its attention (tapped for the residual stream)."""
+    for name in _NORM_NAMES:
+        mod = getattr(block, name, None) if block is not None else None
+        if isinstance(mod, nn.Module) and mod is not attn:
+            return mod
+    return None
+
+
+def _specialized(attn: nn.Module) -> bool:
+    base = original_class(attn)
+    return base.__module__ in XQUANT_ATTENTION_MODULES and all(
+        hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "rope"))
+
+
+def _unhook(attn: nn.Module, norm: nn.Module | None) -> None:
+    """Put back classes an earlier install (of any hook) swapped on this layer."""
+    for mod in (norm, attn):
+        if mod is None:
+            continue
+        unhook_module(mod)
+        for name in ("_xquant", "_xquant_target"):
+            if name in mod.__dict__:
+                delattr(mod, name)
+
+
+def _hook_layer(info: LayerInfo, latent: bool) -> XProjection | GenericXPath:
+    attn = info.attention
+    norm = _input_norm(info.block, attn)
+    _unhook(attn, norm)
+    if _specialized(attn):
+        proj: XProjection | GenericXPath = XProjection(attn, norm, latent)
+        call = x_attention_call
+    else:
+        proj, call = GenericXPath(attn, norm, latent), x_generic_call
+    attn._xquant = proj
+    hook_module(attn, call, X_HOOK)
+    if norm is not None:
+        norm._xquant_target = proj
+        hook_module(norm, x_norm_call, X_HOOK)
+    return proj
+
+
+_WARNED_LATENT: set[type] = set()
+
+
+def _warn_latent(projs: dict[int, Any], latent: bool) -> None:
+    """Say once per attention class that ``latent`` storage does not apply to it."""
+    generic = {i: p for i, p in projs.items() if isinstance(p, GenericXPath)}
+    classes = {original_class(p.attn) for p in generic.values()}
+    new = classes - _WARNED_LATENT
+    if latent and new:
+        _WARNED_LATENT.update(new)
+        names = ", ".join(sorted(f"{c.__module__}.{c.__name__}" for c in new))
+        warnings.warn(f"xquant: layers {sorted(generic)} ({names}) store their input X "
+                      "itself: the latent storage needs llama, mistral or qwen2 attention",
+                      stacklevel=6)  # past the builder: the caller of for_model
+
+
+def install_x_hook(layers: list[LayerInfo], latent: bool = True,
+                   model: nn.Module | None = None) -> dict[int, XProjection | GenericXPath]:
+    """Let each layer's attention hand its X-cache the layer input (reversible).
+
+    ``layers`` carry the live attention module and block (``KVCacheBuilder.layer_infos``).
+    Returns one projection per layer index: ``XProjection`` for llama-, mistral- and
+    qwen2-style attention, ``GenericXPath`` for every other. ``model`` lets the generic
+    path read its input widths off one uncached token (graph only). Idempotent.
+    """
+    out: dict[int, XProjection | GenericXPath] = {}
+    for info in layers:
+        if info.attention is None:
+            raise UnsupportedModelError(
+                f"XQuant cannot hook layer {info.layer_idx}: no attention module updates "
+                "its cache", Refusal.UNUSED_SLOT)
+        current = getattr(info.attention, "_xquant", None)
+        if current is not None and current.latent_requested == latent:
+            out[info.layer_idx] = current
+            continue
+        out[info.layer_idx] = _hook_layer(info, latent)
+    if model is not None and any(isinstance(p, GenericXPath) and not p.in_dim
+                                 for p in out.values()):
+        model(mx.array([[0]]))  # lazy: the hooked modules see their input shapes
+    _warn_latent(out, latent)
+    bad = {i: p for i, p in out.items() if isinstance(p, GenericXPath) and p.extra}
+    if bad:
+        for info in layers:  # leave the model as it was
+            _unhook(info.attention, _input_norm(info.block, info.attention))
+        i, p = next(iter(bad.items()))
+        base = original_class(p.attn)
+        raise UnsupportedModelError(
+            f"XQuant cannot rebuild the keys and values of layer(s) {sorted(bad)}: their "
+            f"attention ({base.__module__}.{base.__name__}) takes {', '.join(p.extra)} "
+            "besides its input, which the cached input cannot reproduce for earlier tokens",
+            Refusal.EXTRA_ARGUMENTS)
+    return out
+
+
+def x_hook_installed(model: nn.Module) -> bool:
+    """Whether ``install_x_hook`` is active on some layer of ``model``."""
+    return any(hasattr(m, "_xquant") for m in model.modules())
+
+
+def uninstall_x_hook(model: nn.Module) -> None:
+    """Restore the original attention and norm classes of every hooked layer."""
+    for mod in model.modules():
+        if not unhook_module(mod, X_HOOK):
+            continue
+        for name in ("_xquant", "_xquant_target"):
+            if name in mod.__dict__:
+                delattr(mod, name)
 
 
 def _hook(latent: Any, name: str) -> Any:
@@ -349,5 +473,7 @@ class XQuantCLCache(XQuantCache):
             self.coordinator.pass_on(self.layer.layer_idx, acc)
         if not start:
             return None if joined else []
-        old = [proj.normalize(acc[:, :start])]
-        return old if joined else [(0, old)]
+        if joined:
+            return [proj.normalize(acc[:, :start])]
+        # Normalized where read: a prompt chunk's blocked attention reads a block at a time.
+        return [(0, [Normalized(acc, start, proj.normalize)])]

@@ -3,9 +3,9 @@
 XQuant caches a layer's attention input X instead of K and V, but mlx_lm's cache
 interface only ever sees K and V. The hook swaps the class of each attention
 instance (and of its block's input norm) for a subclass for as long as it is
-installed; any cache without ``update_x`` falls through to the original ``__call__``.
-``uninstall_x_hook`` restores the original classes. The parameter tree and weights are
-untouched. Two paths:
+installed (``cache.xquant.install_x_hook``; ``uninstall_x_hook`` restores the original
+classes); any cache without ``update_x`` falls through to the original ``__call__``.
+The parameter tree and weights are untouched. Two paths:
 
 - llama, mistral and qwen2 attention (``XProjection``): the hook runs the attention
   itself, keys rebuilt with the model's ``k_proj`` (or from the latent of the K/V
@@ -15,26 +15,36 @@ untouched. Two paths:
   projections, soft-capping, sinks, MLA, ...): the cache holds X, and the earlier
   tokens' K and V are rematerialized through the module's own code (X stored as is, no
   latent).
+
+A prompt chunk attends a key block at a time where the library's blocked kernels run
+(``XProjection.attend``): each block's keys (and values) are rebuilt from the stored
+form as the block is read, so no key or value of every held token exists at once.
 """
 
 from __future__ import annotations
 
-import warnings
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from veloxquant_mlx.cache.base import LayerInfo, depend_on_state
-from veloxquant_mlx.cache.module_call import below, hook_module, original_class, unhook_module
-from veloxquant_mlx.cache.xquant_generic import X_HOOK, GenericXPath, x_generic_call
-from veloxquant_mlx.errors import Refusal, UnsupportedModelError
+from veloxquant_mlx.cache.base import depend_on_state
+from veloxquant_mlx.cache.layer_inputs import rows_count, rows_of, whole
+from veloxquant_mlx.cache.module_call import below, original_class
+from veloxquant_mlx.cache.xquant_generic import X_HOOK
 from veloxquant_mlx.ops import dispatch, native, rope
 from veloxquant_mlx.ops import factors as fr
-from veloxquant_mlx.ops.attention import masked_softmax, sdpa
+from veloxquant_mlx.ops.attention import (
+    attend_on_mlx,
+    decodes_at_once,
+    fit_mask,
+    masked_softmax,
+    sdpa,
+    sdpa_on_own_kernels,
+)
 from veloxquant_mlx.ops.parts import DensePart, shared_by_heads
-
-XQUANT_ATTENTION_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
 
 
 def weight_in_out(linear: nn.Module) -> mx.array:
@@ -184,12 +194,16 @@ class XProjection:
         rematerialized: keys are rebuilt and rotated per segment, scores joined (small),
         the probabilities multiply each segment's stored form ``Z`` first and the small
         factor ``R_v`` once after, and the bias passes through unchanged because each
-        row of probabilities sums to one.
+        row of probabilities sums to one. A prompt chunk the fused op does not take
+        attends a key block at a time where MLX's kernels would (:meth:`_blocked`).
         """
         B, Hq, L, D = queries.shape
         fused = self._fused(queries, segments, scale, mask)
         if fused is not None:
             return fused
+        if self._in_blocks(queries, segments):
+            return self._blocked(queries, segments, scale, mask)
+        segments = [(start, [whole(p) for p in parts]) for start, parts in segments]
         raw = [(start, self.keys(parts)) for start, parts in segments]  # before RoPE
         keys = [rope.apply(self.attn.rope, k, start) for start, k in raw]
         if not self.factored_pays(Hq * L):
@@ -211,6 +225,55 @@ class XProjection:
             mixed = part if mixed is None else mixed + part
             i += n
         return self._from_factor_space(mixed.reshape(B, H, rep * L, -1), queries)
+
+    def _in_blocks(self, queries: mx.array, segments: list[tuple[int, list[Any]]]) -> bool:
+        """Whether a prompt chunk attends a key block at a time: always in factor space
+        (else every score over the held tokens exists at once), else where the dense
+        attention would run the library's blocked kernels (a CPU in float32)."""
+        B, Hq, L, _ = queries.shape
+        if decodes_at_once(Hq, self.n_kv_heads, L):
+            return False
+        n = sum(rows_count(parts[0]) for _, parts in segments)
+        return self.factored_pays(Hq * L) or sdpa_on_own_kernels(queries.dtype, L, n)
+
+    def _blocked(self, queries: mx.array, segments: list[tuple[int, list[Any]]], scale: float,
+                 mask: Any) -> mx.array:
+        """Blocked attention (``ops.attention``'s prompt path) over parts that rebuild
+        each key block from the stored form as it is read, rotated as over the whole
+        segment: no key or value of every held token exists at once. Values are rebuilt
+        the same way, or where the factor pays, the block's stored value form goes in
+        and ``R_v`` is applied once after."""
+        B, Hq, L, _ = queries.shape
+        H = self.n_kv_heads
+        factored = self.factored_pays(Hq * L)
+        value = self._stored_values if factored else self._values_of
+        keys, values = [], []
+        for start, parts in segments:
+            n = rows_count(parts[0])
+            keys.append(Rebuilt(n, H, partial(self._rotated, start, parts)))
+            values.append(Rebuilt(n, H, partial(value, parts)))
+        mask = fit_mask(mask, L, sum(k.n for k in keys))
+        if not factored:
+            return attend_on_mlx(queries, keys, values, scale, mask)
+        mixed = attend_on_mlx(queries.astype(mx.float32), keys, values, scale, mask)
+        return self._from_factor_space(mixed.reshape(B, H, Hq // H * L, -1), queries)
+
+    def _rotated(self, start: int, parts: list[Any], a: int, b: int) -> mx.array:
+        """Keys of tokens ``a:b`` of a segment whose first position is ``start``, rotated
+        over a run that starts on the segment's grid of ``rope.FINE`` positions and is
+        long enough to take the same RoPE path as the whole segment: each key comes out
+        bit for bit as rotated with all of them."""
+        lo, hi = _rope_run(a, b, rows_count(parts[0]))
+        k = rope.apply(self.attn.rope, self.keys([rows_of(parts[0], lo, hi)]), start + lo)
+        return k if (lo, hi) == (a, b) else k[:, :, a - lo:b - lo]
+
+    def _values_of(self, parts: list[Any], a: int, b: int) -> mx.array:
+        return self.values([rows_of(parts[-1], a, b)])
+
+    def _stored_values(self, parts: list[Any], a: int, b: int) -> mx.array:
+        """The stored value form of tokens ``a:b`` for every KV head (a broadcast view)."""
+        z = fr.load_rows(rows_of(parts[-1], a, b))[:, None]
+        return mx.broadcast_to(z, (z.shape[0], self.n_kv_heads, *z.shape[2:]))
 
     def _key_part(self, start: int, parts: list[Any], batch: int) -> Any:
         """A segment's keys for the fused op: where the model's RoPE is a plain ``nn.RoPE``
@@ -270,18 +333,55 @@ class XProjection:
         R_v + b_v``); None where it does not run (then MLX's ops)."""
         B, Hq, L, D = queries.shape
         H = self.n_kv_heads
-        rows = [shared_by_heads(parts[-1], H) for _, parts in segments]
         declined = None if self.factored_pays(Hq * L) else "the values' factor costs less first"
-        causal = dispatch.fused_causal(queries, mask, H, sum(v.n for v in rows),
-                                       declined=declined)
+        n_keys = sum(rows_count(parts[0]) for _, parts in segments)
+        causal = dispatch.fused_causal(queries, mask, H, n_keys, declined=declined)
         if causal is None:
             return None
+        segments = [(start, [whole(p) for p in parts]) for start, parts in segments]
+        rows = [shared_by_heads(parts[-1], H) for _, parts in segments]
         key_parts = [self._key_part(start, parts, B) for start, parts in segments]
         factor, bias = self._per_head(self._value_factor(), self.bv, B)
         values = [native.Placed(v, project=factor, mean=bias) for v in rows]
         q = (queries * scale).reshape(B, H, Hq // H * L, D)
         out = dispatch.fused_decode(q, key_parts, values, causal)
         return None if out is None else out.reshape(B, Hq, L, -1).astype(queries.dtype)
+
+
+def _rope_run(a: int, b: int, n: int) -> tuple[int, int]:
+    """The run of a segment's ``n`` tokens to rotate for tokens ``a:b``: it starts on a
+    multiple of ``rope.FINE`` and holds at least ``2 * rope.FINE`` tokens, as a whole
+    segment of that length would (``rope.rotate`` picks its path by the length)."""
+    span = 2 * rope.FINE
+    if n < span:
+        return 0, n
+    lo = max(0, min(a, max(b, span) - span)) // rope.FINE * rope.FINE
+    return lo, max(b, lo + span)
+
+
+class Rebuilt:
+    """Keys or values of ``n`` held tokens as a part of ``ops.attention``, built from the
+    stored form by ``build(a, b)`` (``[B, heads, b - a, D]``) for the tokens a block
+    reads: the blocked prompt path never holds them all at once."""
+
+    def __init__(self, n: int, heads: int, build: Callable[[int, int], mx.array]) -> None:
+        self.n, self.heads, self.build = n, heads, build
+
+    def dense(self, start: int, stop: int, dtype: mx.Dtype) -> mx.array:
+        x = self.build(start, stop)
+        return x if x.dtype == dtype else x.astype(dtype)
+
+    def key_scores(self, q: mx.array) -> mx.array:
+        return q @ self.dense(0, self.n, q.dtype).swapaxes(-1, -2)
+
+    def value_product(self, p: mx.array) -> mx.array:
+        return p @ self.dense(0, self.n, p.dtype)
+
+    def floats(self) -> list[mx.array]:
+        return []
+
+    def stored(self) -> None:
+        return None
 
 
 def _is_view(linear: nn.Module) -> bool:
@@ -332,7 +432,7 @@ def _x_attention_batched(attn: nn.Module, x: mx.array, residual: mx.array | None
     return mx.concatenate(outs, axis=0)
 
 
-def _x_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+def x_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
     rows = getattr(cache, "caches", None)  # a BatchedCache of per-sequence caches
     batched = bool(rows) and hasattr(rows[0], "update_x")
     proj: XProjection = self._xquant
@@ -348,122 +448,6 @@ def _x_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None) ->
     return self.o_proj(out.astype(x.dtype))
 
 
-def _x_norm_call(self, x: mx.array) -> mx.array:
+def x_norm_call(self, x: mx.array) -> mx.array:
     self._xquant_target.residual = x  # XQuant-CL caches the block input (residual stream)
     return below(self, X_HOOK).__call__(self, x)
-
-
-_NORM_NAMES = ("input_layernorm", "attention_norm", "ln_1", "norm1", "attn_norm",
-               "pre_attention_layernorm", "input_norm", "ln_attn", "norm_1", "attn_ln")
-
-
-def _input_norm(block: nn.Module | None, attn: nn.Module) -> nn.Module | None:
-    """The block's norm in front of its attention (tapped for the residual stream)."""
-    for name in _NORM_NAMES:
-        mod = getattr(block, name, None) if block is not None else None
-        if isinstance(mod, nn.Module) and mod is not attn:
-            return mod
-    return None
-
-
-def _specialized(attn: nn.Module) -> bool:
-    base = original_class(attn)
-    return base.__module__ in XQUANT_ATTENTION_MODULES and all(
-        hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "rope"))
-
-
-def _unhook(attn: nn.Module, norm: nn.Module | None) -> None:
-    """Put back classes an earlier install (of any hook) swapped on this layer."""
-    for mod in (norm, attn):
-        if mod is None:
-            continue
-        unhook_module(mod)
-        for name in ("_xquant", "_xquant_target"):
-            if name in mod.__dict__:
-                delattr(mod, name)
-
-
-def _hook_layer(info: LayerInfo, latent: bool) -> XProjection | GenericXPath:
-    attn = info.attention
-    norm = _input_norm(info.block, attn)
-    _unhook(attn, norm)
-    if _specialized(attn):
-        proj: XProjection | GenericXPath = XProjection(attn, norm, latent)
-        call = _x_attention_call
-    else:
-        proj, call = GenericXPath(attn, norm, latent), x_generic_call
-    attn._xquant = proj
-    hook_module(attn, call, X_HOOK)
-    if norm is not None:
-        norm._xquant_target = proj
-        hook_module(norm, _x_norm_call, X_HOOK)
-    return proj
-
-
-_WARNED_LATENT: set[type] = set()
-
-
-def _warn_latent(projs: dict[int, Any], latent: bool) -> None:
-    """Say once per attention class that ``latent`` storage does not apply to it."""
-    generic = {i: p for i, p in projs.items() if isinstance(p, GenericXPath)}
-    classes = {original_class(p.attn) for p in generic.values()}
-    new = classes - _WARNED_LATENT
-    if latent and new:
-        _WARNED_LATENT.update(new)
-        names = ", ".join(sorted(f"{c.__module__}.{c.__name__}" for c in new))
-        warnings.warn(f"xquant: layers {sorted(generic)} ({names}) store their input X "
-                      "itself: the latent storage needs llama, mistral or qwen2 attention",
-                      stacklevel=6)  # past the builder: the caller of for_model
-
-
-def install_x_hook(layers: list[LayerInfo], latent: bool = True,
-                   model: nn.Module | None = None) -> dict[int, XProjection | GenericXPath]:
-    """Let each layer's attention hand its X-cache the layer input (reversible).
-
-    ``layers`` carry the live attention module and block (``KVCacheBuilder.layer_infos``).
-    Returns one projection per layer index: ``XProjection`` for llama-, mistral- and
-    qwen2-style attention, ``GenericXPath`` for every other. ``model`` lets the generic
-    path read its input widths off one uncached token (graph only). Idempotent.
-    """
-    out: dict[int, XProjection | GenericXPath] = {}
-    for info in layers:
-        if info.attention is None:
-            raise UnsupportedModelError(
-                f"XQuant cannot hook layer {info.layer_idx}: no attention module updates "
-                "its cache", Refusal.UNUSED_SLOT)
-        current = getattr(info.attention, "_xquant", None)
-        if current is not None and current.latent_requested == latent:
-            out[info.layer_idx] = current
-            continue
-        out[info.layer_idx] = _hook_layer(info, latent)
-    if model is not None and any(isinstance(p, GenericXPath) and not p.in_dim
-                                 for p in out.values()):
-        model(mx.array([[0]]))  # lazy: the hooked modules see their input shapes
-    _warn_latent(out, latent)
-    bad = {i: p for i, p in out.items() if isinstance(p, GenericXPath) and p.extra}
-    if bad:
-        for info in layers:  # leave the model as it was
-            _unhook(info.attention, _input_norm(info.block, info.attention))
-        i, p = next(iter(bad.items()))
-        base = original_class(p.attn)
-        raise UnsupportedModelError(
-            f"XQuant cannot rebuild the keys and values of layer(s) {sorted(bad)}: their "
-            f"attention ({base.__module__}.{base.__name__}) takes {', '.join(p.extra)} "
-            "besides its input, which the cached input cannot reproduce for earlier tokens",
-            Refusal.EXTRA_ARGUMENTS)
-    return out
-
-
-def x_hook_installed(model: nn.Module) -> bool:
-    """Whether ``install_x_hook`` is active on some layer of ``model``."""
-    return any(hasattr(m, "_xquant") for m in model.modules())
-
-
-def uninstall_x_hook(model: nn.Module) -> None:
-    """Restore the original attention and norm classes of every hooked layer."""
-    for mod in model.modules():
-        if not unhook_module(mod, X_HOOK):
-            continue
-        for name in ("_xquant", "_xquant_target"):
-            if name in mod.__dict__:
-                delattr(mod, name)

@@ -309,12 +309,14 @@ def _gather(parts: Sequence[Part], start: int, stop: int, dtype: mx.Dtype) -> mx
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
 
 
-def _settle(mask: mx.array) -> None:
-    """Evaluate a mask array up front (small): a lazy mask built from ``arange`` nodes
-    made MLX evaluate every key block at once. Not possible while a function is being
-    compiled; then it stays lazy."""
+def _settle(*arrays: mx.array) -> None:
+    """Evaluate small arrays now: a lazy mask built from ``arange`` nodes made MLX
+    evaluate every key block at once, and on the CPU MLX allocates each operation's
+    output when it queues it, far ahead of the computation, so a block's running sums
+    are settled before the next block's scores are queued. Not possible while a
+    function is being compiled; then they stay lazy."""
     try:
-        mx.eval(mask)
+        mx.eval(*arrays)
     except (RuntimeError, ValueError):
         pass
 
@@ -335,7 +337,7 @@ def _blocked(qr: mx.array, keys: Sequence[Part], values: Sequence[Part],
     MiB over the weights, 166 tied, and no slower; measured)."""
     B, H, rep, L, D = qr.shape
     S = sum(k.n for k in keys)
-    step = _key_block(B * H * rep * L)
+    step, gpu = _key_block(B * H * rep * L), on_gpu()
     if isinstance(mask, mx.array):
         _settle(mask)
     m = den = acc = None
@@ -361,6 +363,8 @@ def _blocked(qr: mx.array, keys: Sequence[Part], values: Sequence[Part],
             c = mx.exp(m - m_new)
             den, acc = den * c + e.sum(axis=-1, keepdims=True), acc * c + pv
         m = m_new
+        if step < S and not gpu:
+            _settle(acc, den, m)
     return acc / mx.maximum(den, _TINY)
 
 
