@@ -200,6 +200,19 @@ def _kept(server: ServerProcess) -> dict[str, Any]:
     return (_limits(server) or {}).get("prompt_cache") or {}
 
 
+def _kept_settled(server: ServerProcess, timeout: float = 5.0) -> dict[str, Any]:
+    """The prompt-cache counters once every request's cache was kept or not: an answer
+    reaches the client before the generation thread hands its cache to the pool, and a
+    planned restart must not cut that short (the benchmark measures restores)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counters = _kept(server).get("counters", {})
+        done = counters.get("kept", 0) + counters.get("not_kept", 0)
+        if done >= counters.get("requests", 0) or time.monotonic() > deadline:
+            return counters
+        time.sleep(0.05)
+
+
 def warm_conversations(server: ServerProcess, cfg: WarmConfig) -> dict[str, Any]:
     """How many finished conversations of ``cfg.tokens`` tokens the server keeps warm.
 
@@ -394,7 +407,7 @@ def run_overflow(mode: OverflowMode, cfg: OverflowConfig, method: str, max_kv_me
                     row = _ask(server.port, history, cfg)
                     rows.append({"conversation": i, "turn": t, **row})
                     history.append({"role": "assistant", "content": row["answer"] or ""})
-            counters.append(_kept(server).get("counters", {}))
+            counters.append(_kept_settled(server))
     return {"mode": mode.label, "turns": rows, "counters": counters}
 
 
