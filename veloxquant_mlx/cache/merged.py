@@ -15,7 +15,7 @@ window as it is held, so a prompt chunk builds no dense copy of the whole contex
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,33 +23,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache.segments import Segment
 from veloxquant_mlx.ops import quantize as q
-from veloxquant_mlx.ops.parts import DensePart, Part, Slot
-
-Read = Callable[[int, int, mx.Dtype], mx.array]
-
-
-class RangePart:
-    """Stored tokens that attention reads as floats one token range at a time (an
-    ``ops.parts`` part): ``read(start, stop, dtype)`` builds only that range. The
-    products decode the whole part: callers hand the decode path blocks, not this."""
-
-    def __init__(self, n: int, heads: int, read: Read) -> None:
-        self.n, self.heads, self.read = n, heads, read
-
-    def dense(self, start: int, stop: int, dtype: mx.Dtype) -> mx.array:
-        return self.read(start, stop, dtype)
-
-    def key_scores(self, qr: mx.array) -> mx.array:
-        return qr @ self.read(0, self.n, qr.dtype).swapaxes(-1, -2)
-
-    def value_product(self, p: mx.array) -> mx.array:
-        return p @ self.read(0, self.n, p.dtype)
-
-    def floats(self) -> list[mx.array]:
-        return []
-
-    def stored(self) -> None:
-        return None
+from veloxquant_mlx.ops.parts import DensePart, Part, RangePart, Slot
 
 
 def codes_range(qt: q.Quantized, start: int, stop: int, dtype: mx.Dtype) -> mx.array:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from veloxquant_mlx.cache.base import DTYPES, LayerInfo
-from veloxquant_mlx.cache.merged import PairSide, RangePart, codes_range
+from veloxquant_mlx.cache.merged import PairSide, codes_range
 from veloxquant_mlx.cache.minicache_coordinator import MiniCacheCoordinator
 from veloxquant_mlx.cache.numerics import StoredNumerics, dense_loss
 from veloxquant_mlx.cache.profile import Profile
@@ -37,9 +37,15 @@ from veloxquant_mlx.cache.segments import Dense, StoredForm
 from veloxquant_mlx.cache.stored import StoredFormCache
 from veloxquant_mlx.ops import dispatch
 from veloxquant_mlx.ops import quantize as q
-from veloxquant_mlx.ops.attention import attend_on_mlx, decodes_at_once, fit_mask, sdpa
+from veloxquant_mlx.ops.attention import (
+    attend_on_mlx,
+    decodes_at_once,
+    fit_mask,
+    gather_tokens,
+    sdpa,
+)
 from veloxquant_mlx.ops.kernels import BLOCK, on_gpu
-from veloxquant_mlx.ops.parts import DensePart, Part
+from veloxquant_mlx.ops.parts import DensePart, Part, RangePart
 from veloxquant_mlx.options import MethodOptions, config_error
 from veloxquant_mlx.register import register
 
@@ -187,22 +193,11 @@ def _check_restored(cache: Any) -> None:
                          f"the offset {cache.offset}")
 
 
-def _range(parts: list[Part], start: int, stop: int, dtype: mx.Dtype) -> mx.array:
-    """Tokens ``start:stop`` across consecutive parts, as one array of ``dtype``."""
-    pieces, at = [], 0
-    for p in parts:
-        lo, hi = max(start, at), min(stop, at + p.n)
-        if lo < hi:
-            pieces.append(p.dense(lo - at, hi - at, dtype))
-        at += p.n
-    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
-
-
 def _blocks(parts: list[Part], dtype: mx.Dtype) -> list[Part]:
     """The parts as dense blocks of at most ``BLOCK`` tokens, what a decode step
     decodes at once (up to ``BLOCK`` tokens: one block, the dense view)."""
     S = sum(p.n for p in parts)
-    return [DensePart(_range(parts, a, min(S, a + BLOCK), dtype)) for a in range(0, S, BLOCK)]
+    return [DensePart(gather_tokens(parts, a, min(S, a + BLOCK), dtype)) for a in range(0, S, BLOCK)]
 
 
 @register

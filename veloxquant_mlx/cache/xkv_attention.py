@@ -19,7 +19,7 @@ from veloxquant_mlx.cache.step_cost import query_heads
 from veloxquant_mlx.ops import dispatch, native
 from veloxquant_mlx.ops import quantize as q
 from veloxquant_mlx.ops.attention import attend_on_mlx, decodes_at_once, masked_softmax
-from veloxquant_mlx.ops.parts import DensePart, shared_by_heads, token_codes
+from veloxquant_mlx.ops.parts import DensePart, RangePart, shared_by_heads, token_codes
 from veloxquant_mlx.ops.rope import tables as rope_tables
 
 
@@ -165,8 +165,8 @@ class FactorAttention:
         (sk, sv), (wk, wv) = self.sinks, self.windows
         keys, values = ([DensePart(sk.x)], [DensePart(sv.x)]) if sk.n else ([], [])
         for j, _, n in self.factors["keys"].spans():
-            keys.append(FactorBlocks(self.factors["keys"], j, n))
-            values.append(FactorBlocks(self.factors["values"], j, n))
+            keys.append(_factor_blocks(self.factors["keys"], j, n))
+            values.append(_factor_blocks(self.factors["values"], j, n))
         if wk.n:
             keys.append(DensePart(wk.x))
             values.append(DensePart(wv.x))
@@ -237,24 +237,7 @@ def factor_values(p: mx.array, a: mx.array, bh: mx.array, mh: mx.array) -> mx.ar
     return out.reshape(B, H, rep, L, -1) + p.sum(axis=-1, keepdims=True) * mh[:, :, None]
 
 
-class FactorBlocks:
-    """Basis ``j``'s ``n`` tokens of one side as a part of ``ops.attention``'s blocked
-    path: each block of tokens is rebuilt from its own token factor rows."""
-
-    def __init__(self, side: Factored, j: int, n: int) -> None:
-        self.side, self.j, self.n, self.heads = side, j, n, side.heads
-
-    def dense(self, start: int, stop: int, dtype: mx.Dtype) -> mx.array:
-        return self.side.block(self.j, start, stop).astype(dtype)
-
-    def key_scores(self, q: mx.array) -> mx.array:
-        return q @ self.dense(0, self.n, q.dtype).swapaxes(-1, -2)
-
-    def value_product(self, p: mx.array) -> mx.array:
-        return p @ self.dense(0, self.n, p.dtype)
-
-    def floats(self) -> list[mx.array]:
-        return []
-
-    def stored(self) -> None:
-        return None
+def _factor_blocks(side: Factored, j: int, n: int) -> RangePart:
+    """Basis ``j``'s ``n`` tokens of one side, each key block rebuilt from its own token
+    factor rows."""
+    return RangePart(n, side.heads, lambda a, b, dt: side.block(j, a, b).astype(dt))

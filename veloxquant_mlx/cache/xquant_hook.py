@@ -44,7 +44,7 @@ from veloxquant_mlx.ops.attention import (
     sdpa,
     sdpa_on_own_kernels,
 )
-from veloxquant_mlx.ops.parts import DensePart, shared_by_heads
+from veloxquant_mlx.ops.parts import DensePart, RangePart, shared_by_heads
 
 
 def weight_in_out(linear: nn.Module) -> mx.array:
@@ -250,8 +250,8 @@ class XProjection:
         keys, values = [], []
         for start, parts in segments:
             n = rows_count(parts[0])
-            keys.append(Rebuilt(n, H, partial(self._rotated, start, parts)))
-            values.append(Rebuilt(n, H, partial(value, parts)))
+            keys.append(_rebuilt(n, H, partial(self._rotated, start, parts)))
+            values.append(_rebuilt(n, H, partial(value, parts)))
         mask = fit_mask(mask, L, sum(k.n for k in keys))
         if not factored:
             return attend_on_mlx(queries, keys, values, scale, mask)
@@ -359,31 +359,6 @@ def _rope_run(a: int, b: int, n: int) -> tuple[int, int]:
     return lo, max(b, lo + span)
 
 
-class Rebuilt:
-    """Keys or values of ``n`` held tokens as a part of ``ops.attention``, built from the
-    stored form by ``build(a, b)`` (``[B, heads, b - a, D]``) for the tokens a block
-    reads: the blocked prompt path never holds them all at once."""
-
-    def __init__(self, n: int, heads: int, build: Callable[[int, int], mx.array]) -> None:
-        self.n, self.heads, self.build = n, heads, build
-
-    def dense(self, start: int, stop: int, dtype: mx.Dtype) -> mx.array:
-        x = self.build(start, stop)
-        return x if x.dtype == dtype else x.astype(dtype)
-
-    def key_scores(self, q: mx.array) -> mx.array:
-        return q @ self.dense(0, self.n, q.dtype).swapaxes(-1, -2)
-
-    def value_product(self, p: mx.array) -> mx.array:
-        return p @ self.dense(0, self.n, p.dtype)
-
-    def floats(self) -> list[mx.array]:
-        return []
-
-    def stored(self) -> None:
-        return None
-
-
 def _is_view(linear: nn.Module) -> bool:
     """Whether ``weight_in_out(linear)`` is a view of the layer's own weight."""
     return not isinstance(linear, nn.QuantizedLinear) and linear.weight.dtype == mx.float32
@@ -451,3 +426,14 @@ def x_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> 
 def x_norm_call(self, x: mx.array) -> mx.array:
     self._xquant_target.residual = x  # XQuant-CL caches the block input (residual stream)
     return below(self, X_HOOK).__call__(self, x)
+
+
+def _rebuilt(n: int, heads: int, build: Callable[[int, int], mx.array]) -> RangePart:
+    """``n`` tokens rebuilt from their stored form by ``build(a, b)`` (``[B, heads,
+    b - a, D]``) for the tokens a key block reads: the blocked prompt path never holds
+    them all at once."""
+    def read(a: int, b: int, dtype: mx.Dtype) -> mx.array:
+        x = build(a, b)
+        return x if x.dtype == dtype else x.astype(dtype)
+
+    return RangePart(n, heads, read)

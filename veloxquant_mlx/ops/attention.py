@@ -298,8 +298,9 @@ def _decode(qr: mx.array, keys: Sequence[Part], values: Sequence[Part],
     return out.reshape(B, H, rep, L, -1) / mx.maximum(den, _TINY)
 
 
-def _gather(parts: Sequence[Part], start: int, stop: int, dtype: mx.Dtype) -> mx.array:
-    """Tokens ``start:stop`` across consecutive parts, as floats."""
+def gather_tokens(parts: Sequence[Part], start: int, stop: int, dtype: mx.Dtype
+                  ) -> mx.array:
+    """Tokens ``start:stop`` across consecutive parts, as one array of ``dtype``."""
     pieces, offset = [], 0
     for p in parts:
         lo, hi = max(start, offset), min(stop, offset + p.n)
@@ -344,7 +345,7 @@ def _blocked(qr: mx.array, keys: Sequence[Part], values: Sequence[Part],
     for t0 in range(0, S, step):
         t1 = min(S, t0 + step)
         q = qr if acc is None else mx.depends([qr], [acc, den])[0]
-        kb = _gather(keys, t0, t1, qr.dtype)
+        kb = gather_tokens(keys, t0, t1, qr.dtype)
         s = q @ kb[:, :, None].swapaxes(-1, -2)  # [B, H, rep, L, block]
         # A causal block that every query sees whole needs no mask.
         if not (mask == "causal" and t1 <= S - L + 1):
@@ -354,7 +355,7 @@ def _blocked(qr: mx.array, keys: Sequence[Part], values: Sequence[Part],
             m_new = mx.maximum(m, m_new)
         e = exp_nonpositive(s - m_new)
         del s
-        pv = e @ _gather(values, t0, t1, qr.dtype)[:, :, None]
+        pv = e @ gather_tokens(values, t0, t1, qr.dtype)[:, :, None]
         if m is None:
             den, acc = e.sum(axis=-1, keepdims=True), pv
         else:

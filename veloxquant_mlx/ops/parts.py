@@ -82,6 +82,34 @@ class DensePart:
         return ("dense", 0, 0, [self.x], None, None)
 
 
+Read = Callable[[int, int, mx.Dtype], mx.array]
+
+
+class RangePart:
+    """Stored tokens that attention reads as floats one token range at a time:
+    ``read(start, stop, dtype)`` builds only that range (merged pairs, factors, cached
+    layer inputs rebuilt on the blocked prompt path). The
+    products decode the whole part: callers hand the decode path blocks, not this."""
+
+    def __init__(self, n: int, heads: int, read: Read) -> None:
+        self.n, self.heads, self.read = n, heads, read
+
+    def dense(self, start: int, stop: int, dtype: mx.Dtype) -> mx.array:
+        return self.read(start, stop, dtype)
+
+    def key_scores(self, qr: mx.array) -> mx.array:
+        return qr @ self.read(0, self.n, qr.dtype).swapaxes(-1, -2)
+
+    def value_product(self, p: mx.array) -> mx.array:
+        return p @ self.read(0, self.n, p.dtype)
+
+    def floats(self) -> list[mx.array]:
+        return []
+
+    def stored(self) -> None:
+        return None
+
+
 Phases = list[tuple[mx.array, int, int]]  # (codes as floats [B, H, n, w], first dim, stride)
 
 
