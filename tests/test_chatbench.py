@@ -114,7 +114,9 @@ def test_overflowed_and_restarted_conversations_come_back_from_disk(tmp_path) ->
                                    timeout=120, model=str(tmp_path), vocab=WORDS[6:],
                                    extra=["--prefill-step-size", "32"])
     warm, disk, _ = chatbench.overflow_modes(cfg)
-    runs = chatbench.overflow_bench(cfg, "kivi:bits=4", "64MB", modes=[warm, disk])
+    runs = chatbench.overflow_bench(cfg, "kivi:bits=4", "64MB", modes=[warm, disk],
+                                    log_dir=tmp_path)
+    logs = "\n".join(p.read_text()[-2000:] for p in sorted(tmp_path.glob("overflow-*.log")))
     ref = {(r["conversation"], r["turn"]): r for r in runs[0]["turns"]}
     turns = runs[1]["turns"]
     assert len(turns) == 9 and all(r["ok"] for r in turns)
@@ -122,7 +124,7 @@ def test_overflowed_and_restarted_conversations_come_back_from_disk(tmp_path) ->
         assert r["answer"] == ref[(r["conversation"], r["turn"])]["answer"], r
         if r["turn"] > 0:  # the whole previous history came from a cache
             previous = ref[(r["conversation"], r["turn"] - 1)]
-            assert r["cached_tokens"] >= previous["prompt_tokens"], r
+            assert r["cached_tokens"] >= previous["prompt_tokens"], (r, logs)
     before, after = runs[1]["counters"]
     # At least one read per restored turn (a prefetched entry that a late insert evicts
     # before its fetch is read again).

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import socket
+import socketserver
 import subprocess
 import sys
 import threading
@@ -438,3 +439,60 @@ def test_salted_pool_matches_and_keeps_per_salt() -> None:
         pool.pending_ticket = Ticket(need=0, prompt_tokens=40, max_tokens=1, salt=salt)
         assert len(longer) - len(pool.fetch_nearest_cache(provider.model_key, longer)[1]) \
             == reused
+
+
+class _Quick(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        pass
+
+
+def test_an_interrupt_as_a_handler_starts_reaches_the_server_loop(monkeypatch) -> None:
+    """A signal that lands while a handler thread starts used to release that thread's
+    connection slot twice: the ValueError replaced the interrupt, and socketserver
+    swallowed it, so the server ran on until a SIGKILL lost its unsaved caches."""
+    from veloxquant_mlx.apps.server_http import bind_http
+
+    server_class, _ = bind_http(max_connections=2)
+    httpd = server_class(("127.0.0.1", 0), _Quick)
+    start = threading.Thread.start
+
+    def start_then_interrupt(thread: threading.Thread) -> None:
+        start(thread)
+        thread.join()  # the handler ran and gave its slot back
+        raise KeyboardInterrupt
+
+    a, b = socket.socketpair()
+    try:
+        monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            httpd.process_request(a, ("127.0.0.1", 1))
+        monkeypatch.undo()
+        assert httpd._slots._value == 2  # every slot free, none released twice
+    finally:
+        b.close()
+        httpd.server_close()
+
+
+def test_sigterm_stops_the_server_loop_between_requests() -> None:
+    """SIGTERM shuts the HTTP loop down from another thread: ``serve_forever`` returns
+    normally (then ``serve`` drains the generation loop and saves the kept caches)."""
+    import signal
+
+    from veloxquant_mlx.apps.server import _stop_on_signals
+    from veloxquant_mlx.apps.server_http import bind_http
+
+    server_class, _ = bind_http()
+    httpd = server_class(("127.0.0.1", 0), _Quick)
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        _stop_on_signals(server_class)
+        timer.start()
+        t0 = time.monotonic()
+        httpd.serve_forever(poll_interval=0.05)  # an interrupt here would fail the test
+        assert time.monotonic() - t0 < 30
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, handlers[0])
+        signal.signal(signal.SIGINT, handlers[1])
+        httpd.server_close()

@@ -158,6 +158,7 @@ class DiskTier:
         self.identity, self.config = identity, config
         self.codec: Codec = codec if codec is not None else SafetensorsCodec()
         self.lock = threading.RLock()
+        self._index_lock = threading.Lock()
         self.counters = dict.fromkeys(("written", "write_failed", "restored", "refused",
                                        "evicted"), 0)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -187,9 +188,12 @@ class DiskTier:
             return {}
 
     def _write_index(self) -> None:
-        with self.lock:
-            text = json.dumps({"format": INDEX_FORMAT, "entries": self.entries})
-        write_text(self.folder / INDEX, text)
+        # The writer and the generation thread both write it: one at a time, or an older
+        # text could replace a newer one.
+        with self._index_lock:
+            with self.lock:
+                text = json.dumps({"format": INDEX_FORMAT, "entries": self.entries})
+            write_text(self.folder / INDEX, text)
 
     def _clean(self) -> None:
         """Forget entries without a file, delete files without an entry (a crash between

@@ -176,7 +176,7 @@ class CompressedPromptCache(LRUPromptCache):
         self._owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.counters = dict.fromkeys(("requests", "reused", "reused_tokens", "trimmed",
                                        "limited", "kept", "not_kept", "evicted",
-                                       "from_disk", "prefetched"), 0)
+                                       "from_disk", "prefetched", "finished"), 0)
         if self.budget is not None:
             self.budget.keeper = self
 
@@ -354,6 +354,8 @@ class CompressedPromptCache(LRUPromptCache):
         if self.disk is not None:
             self.persist_kept()
             self.disk.close()
+            logging.info("prompt cache disk: closed with %d files; %s", len(self.disk.entries),
+                         ", ".join(f"{k} {v}" for k, v in self.disk.counters.items()))
 
     def _fresh(self) -> list[Any]:
         from veloxquant_mlx.adapter.builder import KVCacheBuilder
@@ -392,6 +394,9 @@ class CompressedPromptCache(LRUPromptCache):
             mx.clear_cache()
             if self.limits is not None:
                 self.limits.sample_real()
+            if cache_type == "assistant":  # a request's last insert: its cache is settled
+                with self.lock:
+                    self.counters["finished"] += 1
 
     def _owner(self, cache: list[Any]) -> Any:
         first = next((c for c in cache if isinstance(c, CompressedCache)), None)

@@ -181,11 +181,15 @@ def serve(args: argparse.Namespace, config: KVCacheConfig) -> None:
         policy=HostPolicy.local(args.host, args.port, allowed_origins(args)),
         max_request_bytes=getattr(args, "max_request_bytes", MAX_REQUEST_BYTES),
         request_timeout=getattr(args, "request_timeout", REQUEST_TIMEOUT_S))
+    _stop_on_signals(server_class)
     try:
         mlx_server._run_http_server(args.host, args.port, generator,
                                     server_class=server_class, handler_class=handler_class)
     finally:
-        pool.close_disk()  # every kept cache to disk before the process ends
+        # The loop ends after the step it is in, whose finished requests' caches it hands
+        # to the pool; then every kept cache goes to disk before the process ends.
+        generator.stop_and_join()
+        pool.close_disk()
 
 
 def _open_disk(args: argparse.Namespace, pool: CompressedPromptCache, provider: Any,
@@ -203,13 +207,27 @@ def _open_disk(args: argparse.Namespace, pool: CompressedPromptCache, provider: 
     pool.disk = DiskTier(folder, getattr(args, "prompt_cache_disk_bytes", None), identity,
                          config.to_string(), codec)
     pool.disk.periodic = pool.persist_kept
-    # A service manager stops with SIGTERM: end as on Ctrl-C, so the kept caches are saved.
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+def _stop_on_signals(server_class: type) -> None:
+    """SIGTERM (a service manager) and the first Ctrl-C stop the HTTP server from another
+    thread, so its loop returns between requests; an interrupt raised wherever the main
+    thread happens to be can be swallowed by the code it lands in (a handler thread's
+    start), leaving a server that a later SIGKILL ends before its caches are saved. A
+    second Ctrl-C interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if not server_class.started:
+            raise KeyboardInterrupt  # not serving yet: nothing to drain
+        logging.info("veloxquant serve: signal %d, stopping", signum)
+        for httpd in server_class.started:
+            threading.Thread(target=httpd.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 
 
 def _reused_entries(args: argparse.Namespace) -> int:

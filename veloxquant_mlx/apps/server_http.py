@@ -221,10 +221,12 @@ class BackloggedHTTPServer(mlx_server.ThreadingHTTPServer):
 
     request_queue_size = 128
     max_connections = MAX_CONNECTIONS
+    started: list[Any] = []  # the running instance (``bind_http`` gives each class its own)
 
     def server_activate(self) -> None:
         self._slots = threading.BoundedSemaphore(self.max_connections)
         super().server_activate()
+        self.started.append(self)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -233,7 +235,9 @@ class BackloggedHTTPServer(mlx_server.ThreadingHTTPServer):
             return
         try:
             super().process_request(request, client_address)
-        except BaseException:
+        except Exception:
+            # Not on an interrupt: it may come after the handler thread started, and that
+            # thread releases its slot itself.
             self._slots.release()
             raise
 
@@ -264,7 +268,7 @@ def bind_http(max_connections: int = MAX_CONNECTIONS, policy: HostPolicy | None 
               request_timeout: float = REQUEST_TIMEOUT_S) -> tuple[type, type]:
     """The server and handler classes with one server's settings (mlx_lm builds both)."""
     server = type("BoundHTTPServer", (BackloggedHTTPServer,),
-                  {"max_connections": max_connections})
+                  {"max_connections": max_connections, "started": []})
     handler = type("BoundAPIHandler", (LimitedAPIHandler,),
                    {"policy": policy, "max_request_bytes": max_request_bytes,
                     "timeout": request_timeout})

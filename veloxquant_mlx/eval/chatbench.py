@@ -200,15 +200,15 @@ def _kept(server: ServerProcess) -> dict[str, Any]:
     return (_limits(server) or {}).get("prompt_cache") or {}
 
 
-def _kept_settled(server: ServerProcess, timeout: float = 5.0) -> dict[str, Any]:
+def _kept_settled(server: ServerProcess, timeout: float = 30.0) -> dict[str, Any]:
     """The prompt-cache counters once every request's cache was kept or not: an answer
     reaches the client before the generation thread hands its cache to the pool, and a
     planned restart must not cut that short (the benchmark measures restores)."""
     deadline = time.monotonic() + timeout
     while True:
         counters = _kept(server).get("counters", {})
-        done = counters.get("kept", 0) + counters.get("not_kept", 0)
-        if done >= counters.get("requests", 0) or time.monotonic() > deadline:
+        if (counters.get("finished", 0) >= counters.get("requests", 0)
+                or time.monotonic() > deadline):
             return counters
         time.sleep(0.05)
 
