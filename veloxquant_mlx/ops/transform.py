@@ -56,27 +56,32 @@ def allocate_bits(var: np.ndarray, total_bits: int, max_bits: int = MAX_BITS) ->
     return bits
 
 
+def _steps(bits: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Each coefficient's quantizer step, in float64 (``bits > 0``)."""
+    return np.asarray(GAUSS_STEP)[bits - 1] * np.asarray(std, dtype=np.float64)
+
+
 def quantize(coeffs: np.ndarray, bits: np.ndarray, std: np.ndarray) -> np.ndarray:
     """Codes ``[K, N]`` uint8 of the coefficients ``[N, D]`` with ``bits > 0`` (K of them,
     in column order): uniform, step ``GAUSS_STEP[b-1] * std``, clipped to ``2**b`` levels."""
     keep = np.flatnonzero(bits > 0)
-    out = np.empty((keep.size, coeffs.shape[0]), dtype=np.uint8)
-    for row, j in enumerate(keep):
-        b = int(bits[j])
-        step = GAUSS_STEP[b - 1] * float(std[j])
-        levels = (1 << b) - 1
-        q = np.floor(coeffs[:, j] / max(step, 1e-30) + (levels + 1) / 2.0)
-        out[row] = np.clip(q, 0, levels).astype(np.uint8)
-    return out
+    b = np.asarray(bits)[keep].astype(np.int64)
+    # In the coefficients' own precision, as one column at a time would compute it.
+    dt = coeffs.dtype if np.issubdtype(coeffs.dtype, np.floating) else np.float64
+    step = np.maximum(_steps(b, np.asarray(std)[keep]), 1e-30).astype(dt)
+    levels = (1 << b) - 1
+    q = np.floor(coeffs[:, keep] / step + ((levels + 1) / 2.0).astype(dt))
+    return np.ascontiguousarray(np.clip(q, 0, levels).astype(np.uint8).T)
 
 
 def dequantize(codes: np.ndarray, bits: np.ndarray, std: np.ndarray, n: int) -> np.ndarray:
     """Coefficients ``[n, D]`` back from ``quantize``'s codes; dropped ones are 0."""
     out = np.zeros((n, bits.shape[0]), dtype=np.float32)
-    for row, j in enumerate(np.flatnonzero(bits > 0)):
-        b = int(bits[j])
-        step = GAUSS_STEP[b - 1] * float(std[j])
-        out[:, j] = (codes[row].astype(np.float32) - ((1 << b) - 1) / 2.0) * step
+    keep = np.flatnonzero(bits > 0)
+    b = np.asarray(bits)[keep].astype(np.int64)
+    step = _steps(b, np.asarray(std)[keep]).astype(np.float32)
+    half = (((1 << b) - 1) / 2.0).astype(np.float32)
+    out[:, keep] = ((codes.astype(np.float32) - half[:, None]) * step[:, None]).T
     return out
 
 
@@ -112,12 +117,16 @@ def fit_scales(coeffs: np.ndarray, bits: np.ndarray, std: np.ndarray) -> np.ndar
     """Per coefficient the scale (``std`` times one of ``SCALE_CHOICES``) whose
     ``quantize``/``dequantize`` round trip has the least squared error on ``coeffs``."""
     scales = np.asarray(std, dtype=np.float32).copy()
-    for j in np.flatnonzero(bits > 0):
-        col, one = coeffs[:, j:j + 1], bits[j:j + 1]
-        errs = []
-        for m in SCALE_CHOICES:
-            s = np.array([std[j] * m], dtype=np.float32)
-            back = dequantize(quantize(col, one, s), one, s, col.shape[0])
-            errs.append(float(np.sum((back - col) ** 2)))
-        scales[j] = std[j] * SCALE_CHOICES[int(np.argmin(errs))]
+    keep = np.flatnonzero(bits > 0)
+    if keep.size == 0:
+        return scales
+    col, b, base = coeffs[:, keep], np.asarray(bits)[keep], scales[keep]
+    choices = np.stack([base * m for m in SCALE_CHOICES])  # [choices, K] float32
+    errs = []
+    for s in choices:
+        back = dequantize(quantize(col, b, s), b, s, col.shape[0])
+        # Summed per column along a contiguous row, as a column alone is summed.
+        errs.append(np.sum(np.ascontiguousarray((back - col).T) ** 2, axis=1))
+    best = np.argmin(np.stack(errs), axis=0)
+    scales[keep] = choices[best, np.arange(keep.size)]
     return scales
