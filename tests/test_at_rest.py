@@ -23,6 +23,8 @@ from veloxquant_mlx.apps.at_rest import (
 )
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.ops.transform import (
+    GAUSS_STEP,
+    SCALE_CHOICES,
     allocate_bits,
     dequantize,
     fit_scales,
@@ -354,3 +356,33 @@ def test_prompt_cache_at_rest_lossless_setting_is_equal(setup, tmp_path, method:
             assert a == b, method
     assert mx.array_equal(model(mx.array(follow)[None], cache=loaded),
                           model(mx.array(follow)[None], cache=caches)).item()
+
+
+def _column_codes(c: np.ndarray, bits: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """The quantizer's definition, one coefficient at a time (float32 throughout)."""
+    rows = []
+    for j in np.flatnonzero(bits > 0):
+        b = int(bits[j])
+        step = np.float32(max(GAUSS_STEP[b - 1] * float(std[j]), 1e-30))
+        q = np.floor(c[:, j] / step + np.float32(2 ** b / 2.0))
+        rows.append(np.clip(q, 0, 2 ** b - 1).astype(np.uint8))
+    return np.array(rows, dtype=np.uint8).reshape(len(rows), c.shape[0])
+
+
+def test_whole_array_quantizer_equals_its_column_definition() -> None:
+    """``quantize`` and ``fit_scales`` run on every coefficient at once; their codes and
+    chosen scales are those of the column-by-column definition, bit for bit."""
+    rng = np.random.default_rng(3)
+    c = (rng.standard_t(3, size=(300, 24)) * rng.uniform(0.01, 10, 24)).astype(np.float32)
+    c[:, 5] = 0
+    std = c.std(axis=0).astype(np.float32)
+    bits = rng.integers(1, 9, size=24)
+    bits[[2, 7]] = 0
+    assert np.array_equal(quantize(c, bits, std), _column_codes(c, bits, std))
+    scales = fit_scales(c, bits, std)
+    for j in np.flatnonzero(bits > 0):
+        one = bits[j:j + 1]
+        errs = [np.sum((dequantize(_column_codes(c[:, j:j + 1], one, s), one, s, 300)
+                        - c[:, j:j + 1]) ** 2)
+                for s in (np.array([std[j] * m], np.float32) for m in SCALE_CHOICES)]
+        assert scales[j] == np.float32(std[j] * SCALE_CHOICES[int(np.argmin(errs))]), j
