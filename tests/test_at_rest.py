@@ -386,3 +386,82 @@ def test_whole_array_quantizer_equals_its_column_definition() -> None:
                         - c[:, j:j + 1]) ** 2)
                 for s in (np.array([std[j] * m], np.float32) for m in SCALE_CHOICES)]
         assert scales[j] == np.float32(std[j] * SCALE_CHOICES[int(np.argmin(errs))]), j
+
+
+@pytest.fixture
+def hybrid(tmp_path, monkeypatch):
+    """A tiny gemma3_text (two sliding-window layers of 32, two global) after 100 tokens
+    fed 16 at a time: its rings hold the newest 35 tokens, its global layers all 100."""
+    from veloxquant_mlx.testing.models_table import HYBRID, HYBRID_TOKENS, build_tiny
+
+    monkeypatch.setenv("VELOXQUANT_CACHE_DIR", str(tmp_path / "calib"))
+    model = build_tiny(HYBRID[0], wide=True, overrides=HYBRID[1])
+    tokens = HYBRID_TOKENS[:100]
+    caches = make_prompt_cache(model)
+    for s in range(0, len(tokens), 16):
+        model(mx.array(tokens[s: s + 16])[None], cache=caches)
+    mx.eval(_states(caches))
+    return model, caches, HYBRID_TOKENS[100:103]
+
+
+def _decode(model, caches, follow: list[int]) -> list[mx.array]:
+    out = []
+    for t in follow:  # one token at a time: the rings turn over
+        out.append(model(mx.array([[t]]), cache=caches)[0, -1])
+    return out
+
+
+def test_sliding_window_layers_are_saved_and_restored(hybrid, tmp_path) -> None:
+    """A model with sliding-window layers: each ring's newest tokens are saved (a lossless
+    file keeps them bit for bit), and the restored caches decode what the live ones
+    decode; mlx_lm's caches and TurboQuant's rings alike."""
+    from veloxquant_mlx.testing.models_table import HYBRID_TOKENS
+
+    model, caches, follow = hybrid
+    path = tmp_path / "h.safetensors"
+    save_at_rest(path, model, caches, window=1000, ends_dtype="float32")
+    assert [k.shape[2] for k, _ in read_at_rest(path, model)] == [35, 100, 35, 100]
+    restored = load_at_rest(path, model)
+    for a, b in zip(_decode(model, restored, follow), _decode(model, caches, follow)):
+        assert mx.allclose(a, b, atol=1e-5, rtol=1e-5).item()
+    # Into TurboQuant, whose sliding layers keep a ring over their codes.
+    config = KVCacheConfig("turboquant")
+    into = load_at_rest(path, model, config)
+    live = KVCacheBuilder.for_model(model, config)
+    model(mx.array(HYBRID_TOKENS[:100])[None], cache=live)
+    for a, b in zip(_decode(model, into, follow), _decode(model, live, follow)):
+        assert mx.all(mx.isfinite(a)).item() and _rel(a, b) < 0.05, _rel(a, b)
+
+
+def test_sliding_window_layers_coded_at_rest_keep_their_positions(hybrid, tmp_path) -> None:
+    """Coded bodies (8 bits) of a ring's tokens: RoPE is undone and redone at the
+    positions they hold (the newest of the history), so a restore decodes close to the
+    live caches."""
+    model, caches, _ = hybrid
+    save_at_rest(tmp_path / "exact.safetensors", model, caches, window=1000,
+                 ends_dtype="float32")
+    save_at_rest(tmp_path / "coded.safetensors", model, caches, bits=8, sinks=SINKS,
+                 window=WINDOW)
+    exact = read_at_rest(tmp_path / "exact.safetensors", model)
+    for (k, v), (k0, v0) in zip(read_at_rest(tmp_path / "coded.safetensors", model), exact):
+        assert _rel(k, k0) < 0.015 and _rel(v, v0) < 0.015, (_rel(k, k0), _rel(v, v0))
+
+
+@pytest.mark.parametrize("held,match", [
+    ([5, 100, 5, 100], "sliding window of 32: at least 31"),
+    ([35, 60, 35, 100], "not a sliding-window layer"),
+    ([35, 100, 35], "one count in 0..100 per layer"),
+])
+def test_forged_held_counts_are_refused(hybrid, tmp_path, held, match) -> None:
+    """Only a sliding-window layer may hold fewer tokens than the history, and never so
+    few that the padding a restore puts before them would come inside its window."""
+    model, caches, _ = hybrid
+    path = tmp_path / "h.safetensors"
+    save_at_rest(path, model, caches, bits=2, sinks=SINKS, window=WINDOW)
+
+    def mutate(arrays, header):
+        header["held"] = held
+        _fix_crc(arrays, header)
+    _rewrite(path, mutate)
+    with pytest.raises(AtRestError, match=match):
+        read_at_rest(path, model)

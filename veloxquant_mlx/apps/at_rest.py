@@ -108,6 +108,9 @@ def _dense(cache: Any, slot: int) -> tuple[mx.array, mx.array]:
     elif isinstance(getattr(cache, "keys", None), mx.array) and \
             type(cache).__name__ == "KVCache":
         k, v = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+    elif isinstance(getattr(cache, "keys", None), mx.array) and \
+            type(cache).__name__ == "RotatingKVCache":
+        k, v = _ring_tokens(cache, slot)
     else:
         raise AtRestError(f"layer {slot}: a {type(cache).__name__} has no dense keys and "
                           "values to save (expected mlx_lm's KVCache or a veloxquant cache)")
@@ -118,6 +121,56 @@ def _dense(cache: Any, slot: int) -> tuple[mx.array, mx.array]:
         raise AtRestError(f"layer {slot}: keys of dtype {k.dtype}; expected one of "
                           f"{sorted(_DTYPES)}")
     return k, v
+
+
+def _ring_tokens(cache: Any, slot: int) -> tuple[mx.array, mx.array]:
+    """The tokens mlx_lm's sliding-window ring holds, oldest first (the newest ones of
+    the history), read from its public state as its own temporal order reads them."""
+    keys, values, offset, keep, _, idx = cache.state
+    if keep:
+        raise AtRestError(f"layer {slot}: a RotatingKVCache that keeps its first {keep} "
+                          "tokens; at-rest caches save sliding windows without sinks")
+
+    def ordered(x: mx.array) -> mx.array:
+        if idx == x.shape[2]:
+            return x
+        if idx < offset:
+            return mx.concatenate([x[..., idx:, :], x[..., :idx, :]], axis=2)
+        return x[..., :idx, :]
+
+    return ordered(keys), ordered(values)
+
+
+def _spans(held: list[int], sinks: int, window: int) -> list[tuple[int, int, int, int]]:
+    """Per layer (tokens held, sinks, window, position of its first token): a layer that
+    holds the whole history keeps its first ``sinks`` exact; a sliding-window layer
+    holds only the newest tokens, so it has no sinks."""
+    n = max(held, default=0)
+    out = []
+    for h in held:
+        start = n - h
+        s = min(sinks, h) if start == 0 else 0
+        out.append((h, s, min(window, h - s), start))
+    return out
+
+
+def _check_held(held: Any, n: int, infos: list[LayerInfo]) -> list[int]:
+    """The header's per-layer token counts (files without one: every layer holds all
+    ``n``). Only a sliding-window layer may hold fewer, and never fewer than its window
+    less one: restored, the padding before them must stay outside every later window."""
+    if held is None:
+        return [n] * len(infos)
+    if not isinstance(held, list) or len(held) != len(infos) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and 0 <= h <= n for h in held):
+        raise AtRestError(f"header 'held' {held!r:.120} is not one count in 0..{n} per "
+                          f"layer ({len(infos)} layers)")
+    for slot, (h, info) in enumerate(zip(held, infos)):
+        w = info.sliding_window
+        if h < n and (w is None or h < min(n, w - 1)):
+            raise AtRestError(f"header: layer {slot} holds {h} of {n} tokens, but it is "
+                              + ("not a sliding-window layer" if w is None else
+                                 f"a sliding window of {w}: at least {min(n, w - 1)}"))
+    return held
 
 
 # ------------------------------------------------------------------ calibration
@@ -159,8 +212,9 @@ def _calibrate_from(model: nn.Module, layers: list[tuple[mx.array, mx.array]],
                     joint_heads: bool = True) -> Calibration:
     infos = _slots(model)
     arrays: dict[str, np.ndarray] = {}
+    n = max((k.shape[2] for k, _ in layers), default=0)
     for slot, ((k, v), info) in enumerate(zip(layers, infos)):
-        k = _rope(k, info, 0, inverse=True)
+        k = _rope(k, info, n - k.shape[2], inverse=True)  # a ring holds the newest
         for kind, x in zip(_KINDS, (k, v)):
             x = np.asarray(x[0])  # [H, N, D]
             x = _groups(x, 1 if joint_heads else x.shape[0])
@@ -256,17 +310,16 @@ def _from_exact(a: np.ndarray, dtype: str) -> mx.array:
 
 
 def _encode_layer(k: mx.array, v: mx.array, info: LayerInfo, slot: int, cal: Calibration,
-                  bits: float, ends: tuple[int, int], dtype: str) -> dict[str, np.ndarray]:
-    N = k.shape[2]
-    s = min(ends[0], N)
-    w = min(ends[1], N - s)
+                  bits: float, span: tuple[int, int, int, int],
+                  dtype: str) -> dict[str, np.ndarray]:
+    N, s, w, start = span
     out: dict[str, np.ndarray] = {}
     for kind, x in zip(_KINDS, (k, v)):
         out[f"{slot}.{kind}.sinks"] = _exact(x[0, :, :s], dtype)
         out[f"{slot}.{kind}.window"] = _exact(x[0, :, N - w:], dtype)
         body = x[:, :, s: N - w]
         if kind == "k":
-            body = _rope(body, info, s, inverse=True)
+            body = _rope(body, info, start + s, inverse=True)
         arrays, _ = _encode_kind(np.asarray(body[0]), cal.arrays[f"{slot}.{kind}.mean"],
                                  cal.arrays[f"{slot}.{kind}.basis"], bits)
         out.update({f"{slot}.{kind}.{n}": a for n, a in arrays.items()})
@@ -300,10 +353,9 @@ def save_at_rest(path: str | Path, model: nn.Module, caches: list[Any], bits: fl
     if ends not in _DTYPES:
         raise ValueError(f"save_at_rest: ends_dtype {ends!r} is not one of {sorted(_DTYPES)}")
     dense = [(k.astype(mx.float32), v.astype(mx.float32)) for k, v in dense]
-    n = dense[0][0].shape[2]
-    if any(k.shape[2] != n for k, _ in dense):
-        raise AtRestError("layers hold different token counts; at-rest caches need every "
-                          "layer to hold the whole history (no sliding or evicting layers)")
+    held = [k.shape[2] for k, _ in dense]
+    n = max(held, default=0)
+    _check_held(held, n, infos)  # only sliding-window layers hold fewer tokens
     cal = calibration or load_calibration(model)
     if cal is None:
         cal = _calibrate_from(model, dense)
@@ -312,10 +364,12 @@ def save_at_rest(path: str | Path, model: nn.Module, caches: list[Any], bits: fl
                                 {_KEY: json.dumps({"identity": cal.identity})})
     _check_calibration(cal, infos)
     arrays: dict[str, np.ndarray] = {}
-    for slot, ((k, v), info) in enumerate(zip(dense, infos)):
-        arrays.update(_encode_layer(k, v, info, slot, cal, bits, (sinks, window), ends))
+    for slot, ((k, v), info, span) in enumerate(zip(dense, infos,
+                                                     _spans(held, sinks, window))):
+        arrays.update(_encode_layer(k, v, info, slot, cal, bits, span, ends))
     header = {"format": FORMAT, "identity": model_identity(model),
-              "calibration": cal.digest, "tokens": n, "sinks": sinks, "window": window,
+              "calibration": cal.digest, "tokens": n, "held": held, "sinks": sinks,
+              "window": window,
               "bits": bits, "dtype": dtype, "ends_dtype": ends, "shapes": [[i.n_kv_heads, i.head_dim, i.v_head_dim] for i in infos],
               "crc": {m: zlib.crc32(a.tobytes()) for m, a in arrays.items()},
               "saved": dict(saved or {})}
@@ -402,7 +456,7 @@ def _expect(arrays: dict[str, np.ndarray], name: str, shape: tuple[int, ...],
 
 
 def _check_header(header: dict[str, Any], infos: list[LayerInfo],
-                  limit: int) -> tuple[int, int, int]:
+                  limit: int) -> list[tuple[int, int, int, int]]:
     n, s, w = header.get("tokens"), header.get("sinks"), header.get("window")
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 31
                for x in (n, s, w)):
@@ -414,8 +468,11 @@ def _check_header(header: dict[str, Any], infos: list[LayerInfo],
                           f"the model's {shapes!r:.120}")
     if n > limit:  # a forged count would make the restore allocate without bound
         raise AtRestError(f"header says {n} tokens; this model takes at most {limit}")
-    s = min(s, n)
-    return n, s, min(w, n - s)
+    held = _check_held(header.get("held"), n, infos)
+    spans = _spans(held, s, w)
+    if held and max(held) != n:
+        raise AtRestError(f"header says {n} tokens but its layers hold at most {max(held)}")
+    return spans
 
 
 def _max_tokens(model: nn.Module) -> int:
@@ -462,8 +519,8 @@ def _decode_kind(arrays: dict[str, np.ndarray], cal: Calibration, pre: str, H: i
 
 
 def _decode_layer(arrays: dict[str, np.ndarray], cal: Calibration, slot: int, info: LayerInfo,
-                  shape: tuple[int, int, int], dtype: str) -> list[mx.array]:
-    n, s, w = shape
+                  span: tuple[int, int, int, int], dtype: str) -> list[mx.array]:
+    n, s, w, start = span
     out = []
     for kind, D in zip(_KINDS, (info.head_dim, info.v_head_dim)):
         pre, H = f"{slot}.{kind}", info.n_kv_heads
@@ -471,7 +528,7 @@ def _decode_layer(arrays: dict[str, np.ndarray], cal: Calibration, slot: int, in
         win = _expect(arrays, f"{pre}.window", (H, w, D), _EXACT_NP[dtype])
         body = mx.array(_decode_kind(arrays, cal, pre, H, D, n - s - w))[None]
         if kind == "k":
-            body = _rope(body, info, s, inverse=False)
+            body = _rope(body, info, start + s, inverse=False)
         out.append(mx.concatenate([_from_exact(sinks, dtype)[None], body,
                                    _from_exact(win, dtype)[None]], axis=2))
     return out
@@ -492,15 +549,15 @@ def read_at_rest(path: str | Path, model: nn.Module,
     infos = _slots(model)
     _check_calibration(cal, infos)
     arrays, header = _read(path, model, cal)
-    n, s, w = _check_header(header, infos, _max_tokens(model))
+    spans = _check_header(header, infos, _max_tokens(model))
     name, ends = header.get("dtype"), header.get("ends_dtype")
     if name not in _DTYPES or ends not in _DTYPES:
         raise AtRestError(f"{str(path)!r}: cache dtype {name!r:.40} or ends dtype "
                           f"{ends!r:.40} is not one of {sorted(_DTYPES)}")
     try:
         return [tuple(x.astype(_DTYPES[name]) for x in
-                      _decode_layer(arrays, cal, i, info, (n, s, w), ends))
-                for i, info in enumerate(infos)]  # type: ignore[misc]
+                      _decode_layer(arrays, cal, i, info, span, ends))
+                for i, (info, span) in enumerate(zip(infos, spans))]  # type: ignore[misc]
     except AtRestError as exc:
         raise AtRestError(f"{str(path)!r}: {exc}") from exc
 
@@ -517,10 +574,10 @@ def restore_caches(model: nn.Module, layers: list[tuple[mx.array, mx.array]],
             raise AtRestError(f"layer {i}: method {cache.method!r} caches the layer's input, "
                               "not its keys and values: it cannot be restored from keys and "
                               "values (prefill the history again)")
-    n = layers[0][0].shape[2] if layers else 0
+    n = max((k.shape[2] for k, _ in layers), default=0)
     for s in range(0, n, chunk):
         for cache, (k, v) in zip(caches, layers):
-            cache.update_and_fetch(k[:, :, s: s + chunk], v[:, :, s: s + chunk])
+            cache.update_and_fetch(*(_span_of(x, n, s, min(s + chunk, n)) for x in (k, v)))
         mx.eval([c.state for c in caches])
     for cache in caches:
         # No attention ran here, so code the last chunk now (``code_pending``), or it
@@ -529,6 +586,18 @@ def restore_caches(model: nn.Module, layers: list[tuple[mx.array, mx.array]],
             code_pending(cache)
     mx.eval([c.state for c in caches])
     return caches
+
+
+def _span_of(x: mx.array, n: int, a: int, b: int) -> mx.array:
+    """Positions ``a..b-1`` of a layer holding the newest ``x.shape[2]`` of ``n`` tokens.
+    A sliding-window layer's older positions are padded with its oldest token: its ring
+    drops them, and no later window reaches them (finite, so a masked score times it
+    stays 0)."""
+    start = n - x.shape[2]
+    if a >= start:
+        return x[:, :, a - start: b - start]
+    pad = mx.repeat(x[:, :, :1], min(b, start) - a, axis=2)
+    return pad if b <= start else mx.concatenate([pad, x[:, :, : b - start]], axis=2)
 
 
 def load_at_rest(path: str | Path, model: nn.Module, config: KVCacheConfig | None = None,

@@ -352,7 +352,9 @@ class OverflowMode:
 
 def overflow_modes(cfg: OverflowConfig) -> list[OverflowMode]:
     """Warm RAM reuse (the reference), the disk tier, and neither."""
-    return [OverflowMode("warm RAM", 2 * cfg.conversations + 2, False, False),
+    # The reference evicts nothing: room for every entry of every turn (a request keeps
+    # up to three: its system and user segments and its whole history).
+    return [OverflowMode("warm RAM", 3 * cfg.conversations * cfg.turns + 2, False, False),
             OverflowMode("disk tier", cfg.ram_entries, True, True),
             OverflowMode("no disk", cfg.ram_entries, False, True)]
 
