@@ -123,6 +123,20 @@ def _dense(cache: Any, slot: int) -> tuple[mx.array, mx.array]:
     return k, v
 
 
+def held_layers(caches: list[Any], infos: list[LayerInfo]) -> list[tuple[mx.array, mx.array]]:
+    """Per layer the keys/values ``[1, H, n, D]`` a restore needs, oldest first: every
+    token of a full-attention layer; of a sliding-window layer of ``W``, the newest
+    ``W - 1`` it holds (all a later query can reach besides itself)."""
+    out = []
+    for slot, (cache, info) in enumerate(zip(caches, infos)):
+        k, v = _dense(cache, slot)
+        if info.sliding_window is not None and k.shape[2] > info.sliding_window - 1:
+            keep = max(info.sliding_window - 1, 1)
+            k, v = k[:, :, -keep:], v[:, :, -keep:]
+        out.append((k, v))
+    return out
+
+
 def _ring_tokens(cache: Any, slot: int) -> tuple[mx.array, mx.array]:
     """The tokens mlx_lm's sliding-window ring holds, oldest first (the newest ones of
     the history), read from its public state as its own temporal order reads them."""
@@ -347,7 +361,7 @@ def save_at_rest(path: str | Path, model: nn.Module, caches: list[Any], bits: fl
     infos = _slots(model)
     if len(caches) != len(infos):
         raise AtRestError(f"{len(caches)} caches for a model with {len(infos)} cache slots")
-    dense = [_dense(c, i) for i, c in enumerate(caches)]
+    dense = held_layers(caches, infos)
     dtype = str(dense[0][0].dtype).split(".")[-1] if dense else "float32"
     ends = ends_dtype or (dtype if dtype != "float32" else "float16")
     if ends not in _DTYPES:

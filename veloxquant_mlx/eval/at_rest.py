@@ -29,6 +29,7 @@ from veloxquant_mlx.adapter.builder import KVCacheBuilder, cache_stats
 from veloxquant_mlx.apps.at_rest import (
     Calibration,
     calibrate_at_rest,
+    held_layers,
     load_at_rest,
     restore_caches,
     save_at_rest,
@@ -69,7 +70,7 @@ def live_forms(model: nn.Module, dense: list[Any], follow: list[int], ref: mx.ar
     KL/top-1: built from the dense keys/values as a prefill feeds them (no forward pass:
     the held form is the same, and a lossy method's prefill would also perturb deeper
     layers' inputs, which a restore does not)."""
-    layers = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in dense]
+    layers = held_layers(dense, KVCacheBuilder.layer_infos(model))
     rows = []
     for label, config in parse_specs(specs):
         caches = restore_caches(model, layers, config)
