@@ -113,7 +113,7 @@ def test_overflowed_and_restarted_conversations_come_back_from_disk(tmp_path) ->
                                    document_words=40, user_words=6, max_tokens=6,
                                    timeout=120, model=str(tmp_path), vocab=WORDS[6:],
                                    extra=["--prefill-step-size", "32"])
-    warm, disk, _ = chatbench.overflow_modes(cfg)
+    warm, disk, *_ = chatbench.overflow_modes(cfg)
     runs = chatbench.overflow_bench(cfg, "kivi:bits=4", "64MB", modes=[warm, disk],
                                     log_dir=tmp_path)
     logs = "\n".join(p.read_text()[-2000:] for p in sorted(tmp_path.glob("overflow-*.log")))

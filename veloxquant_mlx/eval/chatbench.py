@@ -20,7 +20,8 @@ turn ``t`` before any turn ``t + 1``), so with room for ``R`` kept caches every 
 finds its conversation evicted. Three runs of one method: the disk tier
 (``--prompt-cache-dir``, the server restarted before turn ``--restart-at``), the same
 without it (evicted and restarted conversations are prefilled again) and warm RAM reuse
-(room for all, no restart). Per turn: latency p50 / p95, the share of prompt tokens
+(room for all, no restart); and ``mlx_lm.server`` with the same room in RAM and the
+same restart. Per turn: latency p50 / p95, the share of prompt tokens
 served from a cache, and whether each answer equals the warm run's (nothing lost or
 mixed between conversations: a restored cache is the kept one)::
 
@@ -348,15 +349,18 @@ class OverflowMode:
     entries: int  # --prompt-cache-size
     disk: bool
     restart: bool
+    mlx_lm: bool = False  # mlx_lm.server itself (dense caches, no disk tier)
 
 
 def overflow_modes(cfg: OverflowConfig) -> list[OverflowMode]:
-    """Warm RAM reuse (the reference), the disk tier, and neither."""
+    """Warm RAM reuse (the reference), the disk tier, neither, and mlx_lm.server with
+    the same room in RAM."""
     # The reference evicts nothing: room for every entry of every turn (a request keeps
     # up to three: its system and user segments and its whole history).
     return [OverflowMode("warm RAM", 3 * cfg.conversations * cfg.turns + 2, False, False),
             OverflowMode("disk tier", cfg.ram_entries, True, True),
-            OverflowMode("no disk", cfg.ram_entries, False, True)]
+            OverflowMode("no disk", cfg.ram_entries, False, True),
+            OverflowMode(REFERENCE, cfg.ram_entries, False, True, mlx_lm=True)]
 
 
 def _opening(i: int, cfg: OverflowConfig) -> list[dict[str, str]]:
@@ -385,6 +389,15 @@ def _ask(port: int, messages: list[dict[str, str]], cfg: OverflowConfig) -> dict
     return row
 
 
+def _overflow_server(mode: OverflowMode, method: str, max_kv_memory: str, model: str,
+                     extra: list[str], log: Path | None) -> ServerProcess:
+    if not mode.mlx_lm:
+        return ServerProcess(method, max_kv_memory, model=model, extra=extra, log_path=log)
+    server = MlxLmServer(model, log_path=log)
+    server.cmd += ["--prompt-cache-size", str(mode.entries)]
+    return server
+
+
 def run_overflow(mode: OverflowMode, cfg: OverflowConfig, method: str, max_kv_memory: str,
                  folder: Path, log_dir: Path | None = None) -> dict[str, Any]:
     """One mode's turns (round robin), restarting the server where the mode says."""
@@ -399,8 +412,7 @@ def run_overflow(mode: OverflowMode, cfg: OverflowConfig, method: str, max_kv_me
     for n, first in enumerate(starts):
         last = starts[n + 1] if n + 1 < len(starts) else cfg.turns
         log = log_dir and log_dir / f"overflow-{mode.label.replace(' ', '_')}-{n}.log"
-        with ServerProcess(method, max_kv_memory, model=model, extra=extra,
-                           log_path=log) as server:
+        with _overflow_server(mode, method, max_kv_memory, model, extra, log) as server:
             for t in range(first, last):
                 for i, history in enumerate(histories):
                     if t > 0:
