@@ -466,3 +466,20 @@ def test_forged_held_counts_are_refused(hybrid, tmp_path, held, match) -> None:
     _rewrite(path, mutate)
     with pytest.raises(AtRestError, match=match):
         read_at_rest(path, model)
+
+
+@pytest.mark.parametrize("method", ["kivi:bits=4", "turboquant"])
+def test_restored_rings_hold_what_a_prefill_holds(hybrid, tmp_path, method: str) -> None:
+    """A ring restored from a file is coded as a prefill's attention codes it: no chunk
+    is left in full precision (it was, until a first decode step, in every ring)."""
+    from veloxquant_mlx.testing.models_table import HYBRID_TOKENS
+
+    model, caches, _ = hybrid
+    path = tmp_path / "h.safetensors"
+    save_at_rest(path, model, caches, window=1000, ends_dtype="float32")
+    config = KVCacheConfig.from_string(method)
+    into = load_at_rest(path, model, config)
+    live = KVCacheBuilder.for_model(model, config)
+    model(mx.array(HYBRID_TOKENS[:100])[None], cache=live)
+    mx.eval(_states(live))
+    assert cache_stats(into)["held_bytes"] <= cache_stats(live)["held_bytes"]

@@ -116,6 +116,10 @@ class SlidingCache(CompressedCache):
         self.last_chunk = keys.shape[2]
         return keys, values
 
+    def _commit(self) -> None:
+        # A restore feeds chunks without attending: the inner cache codes its last one.
+        self.inner._commit()
+
     def _held_mask(self, mask: Any, L: int) -> mx.array | None:
         """The model's mask over the held tokens, or the band when it gave none.
 
