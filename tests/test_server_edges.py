@@ -485,8 +485,11 @@ def test_sigterm_stops_the_server_loop_between_requests() -> None:
     httpd = server_class(("127.0.0.1", 0), _Quick)
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed from the main thread only")
     try:
         _stop_on_signals(server_class)
+        assert signal.getsignal(signal.SIGTERM) is not handlers[0]  # or SIGTERM ends us
         timer.start()
         t0 = time.monotonic()
         httpd.serve_forever(poll_interval=0.05)  # an interrupt here would fail the test
