@@ -440,7 +440,7 @@ def test_cli_eval_quick_defaults_and_context_alias(monkeypatch, tmp_path):
     seen = {}
 
     def fake_run_eval(model, tok, specs, task, params, **kw):
-        seen.update(params, task=task)
+        seen.update(params, task=task, peak=kw["peak"])
         return {"command": "x", "task": task, "seed": 0, "results": []}
 
     monkeypatch.setattr("veloxquant_mlx.models.load", lambda *a, **k: (None, None))
@@ -453,6 +453,10 @@ def test_cli_eval_quick_defaults_and_context_alias(monkeypatch, tmp_path):
     # --quick sizes, except what was given explicitly.
     assert seen["contexts"] == [4096, 8192] and seen["windows"] == 5
     assert seen["predict"] == 64 and seen["block"] == 16 and seen["task"] == "ppl"
+    assert seen["peak"] is True
+    args = cli.build_parser().parse_args(
+        ["eval", "--methods", "none", "--no-peak", "--text", str(tmp_path / "t.txt")])
+    assert args.func(args) == 0 and seen["peak"] is False
 
 
 # ------------------------------------------------------------------ real model

@@ -168,6 +168,10 @@ def test_eval_reports_the_peak_beside_mlx_lm() -> None:
     assert peak[spec]["retained_bytes"] < peak["mlx_lm:dense"]["retained_bytes"] / 4
     assert all(r["peak_bytes"] >= r["retained_bytes"] > 0 for r in peak.values())
     assert "| mlx_lm:dense | 64 |" in eval_markdown(rec)
+    rec = run_eval(tiny_model("llama"), CharTokenizer(), "none", "ppl",
+                   {"contexts": [64], "predict": 8, "windows": 1, "block": 8,
+                    "n_boot": 100, "memory_steps": 2}, text=TEXT, progress=False, peak=False)
+    assert "peak" not in rec["results"][0]
 
 
 def test_fit_reaches_a_flat_working_set_s_cap(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -167,7 +167,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     record = run_eval(model, tokenizer, specs, args.task, params, text=text,
                       text_name=args.text, seed=args.seed, chunk=args.chunk, recon=args.recon,
                       depths=depths, n_needles=args.needles, max_tokens=args.max_new_tokens,
-                      progress=args.progress, prompt_format=args.prompt_format)
+                      progress=args.progress, prompt_format=args.prompt_format,
+                      peak=args.peak)
     print(eval_markdown(record))
     for path in write_eval_outputs(record, args.json, args.plot):
         print(f"wrote {path}")
@@ -356,6 +357,10 @@ def _add_eval_parser(sub: Any) -> None:
     p.add_argument("--boot", type=int, default=None, help="ppl: bootstrap resamples")
     p.add_argument("--memory-steps", type=int, default=None,
                    help="decode steps of the real-memory measurement (default 16)")
+    p.add_argument("--no-peak", dest="peak", action="store_false",
+                   help="leave out the peak table (a run per method and of mlx_lm's dense "
+                        "and 4-bit caches at each context: long at long contexts, where "
+                        "mlx_lm's 4-bit attention is slow on a CPU)")
     p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9",
                    help="retrieval: needle depths in [0, 1], used round-robin")
     p.add_argument("--samples", type=int, default=None,

@@ -112,11 +112,12 @@ def run_eval(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
              chunk: int = 512, recon: bool = False, depths: Sequence[float] = (0.1, 0.3,
              0.5, 0.7, 0.9), n_needles: int = 4, max_tokens: int = 16,
              argv: list[str] | None = None, progress: bool = True,
-             prompt_format: str = "auto") -> dict[str, Any]:
+             prompt_format: str = "auto", peak: bool = True) -> dict[str, Any]:
     """Quality or retrieval of every method at each of ``params["contexts"]``.
 
     ``params``: ``EVAL_FULL`` keys (contexts, predict, windows, block, n_boot, samples,
-    memory_steps); missing ones take the ``EVAL_FULL`` values.
+    memory_steps); missing ones take the ``EVAL_FULL`` values. ``peak``: also the peak
+    table per context (one more run per method and of mlx_lm's caches at each context).
     """
     from veloxquant_mlx.eval.retrieval import evaluate_retrieval
 
@@ -139,7 +140,8 @@ def run_eval(model: nn.Module, tokenizer: Any, specs: Sequence[Spec] | str,
                                       prompt_format=prompt_format)
             results.append({"context": ctx, "samples": p["samples"], "depths": list(depths),
                             "rows": rows})
-    _add_peaks(model, tokens, specs, results, progress)
+    if peak:
+        _add_peaks(model, tokens, specs, results, progress)
     return run_record(argv, task=task, seed=seed, params=p, text=text_name or
                       "stdlib docstrings", chunk=chunk, results=results)
 
