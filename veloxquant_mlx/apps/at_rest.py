@@ -181,7 +181,7 @@ def _check_held(held: Any, n: int, infos: list[LayerInfo]) -> list[int]:
     for slot, (h, info) in enumerate(zip(held, infos)):
         w = info.sliding_window
         if h < n and (w is None or h < min(n, w - 1)):
-            raise AtRestError(f"header: layer {slot} holds {h} of {n} tokens, but it is "
+            raise AtRestError(f"layer {slot} holds {h} of {n} tokens, but it is "
                               + ("not a sliding-window layer" if w is None else
                                  f"a sliding window of {w}: at least {min(n, w - 1)}"))
     return held

@@ -202,15 +202,16 @@ def _kept(server: ServerProcess) -> dict[str, Any]:
 
 
 def _kept_settled(server: ServerProcess, timeout: float = 30.0) -> dict[str, Any]:
-    """The prompt-cache counters once every request's cache was kept or not: an answer
-    reaches the client before the generation thread hands its cache to the pool, and a
-    planned restart must not cut that short (the benchmark measures restores)."""
+    """``_kept`` once every request's cache was handed to the pool: an answer reaches
+    the client before the generation thread does that, and neither a planned restart nor
+    a count of kept entries may cut it short."""
     deadline = time.monotonic() + timeout
     while True:
-        counters = _kept(server).get("counters", {})
+        kept = _kept(server)
+        counters = kept.get("counters", {})
         if (counters.get("finished", 0) >= counters.get("requests", 0)
                 or time.monotonic() > deadline):
-            return counters
+            return kept
         time.sleep(0.05)
 
 
@@ -233,7 +234,7 @@ def warm_conversations(server: ServerProcess, cfg: WarmConfig) -> dict[str, Any]
         if error:
             raise RuntimeError(f"filling the prompt cache failed: {error}")
         cold.append(time.perf_counter() - t0)
-    kept = _kept(server)
+    kept = _kept_settled(server)
     entries = int(kept.get("entries", 0))
     for messages in reversed(prompts):
         before = kept.get("counters", {}).get("reused_tokens", 0)
@@ -421,7 +422,7 @@ def run_overflow(mode: OverflowMode, cfg: OverflowConfig, method: str, max_kv_me
                     row = _ask(server.port, history, cfg)
                     rows.append({"conversation": i, "turn": t, **row})
                     history.append({"role": "assistant", "content": row["answer"] or ""})
-            counters.append(_kept_settled(server))
+            counters.append(_kept_settled(server).get("counters", {}))
     return {"mode": mode.label, "turns": rows, "counters": counters}
 
 
